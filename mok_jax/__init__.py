@@ -1,0 +1,28 @@
+"""mok-jax: deterministic, dropless Mixture-of-Experts layers for JAX."""
+
+from mok_jax.config import (IMPLEMENTATIONS, PRESETS, Implementation, MoEConfig, ScoreFn,
+                            scale_down)
+from mok_jax.hf import from_hf
+from mok_jax.layer import moe
+from mok_jax.module import MoE, RouterBias
+from mok_jax.params import MoEParams, init_params
+from mok_jax.routing import MoEAux, update_router_bias
+
+presets = PRESETS
+
+__all__ = [
+    "IMPLEMENTATIONS",
+    "Implementation",
+    "MoE",
+    "MoEAux",
+    "MoEConfig",
+    "MoEParams",
+    "RouterBias",
+    "ScoreFn",
+    "from_hf",
+    "init_params",
+    "moe",
+    "presets",
+    "scale_down",
+    "update_router_bias",
+]

@@ -1,0 +1,166 @@
+"""Routing: router logits and scores, expert selection, routing weights and the router losses.
+
+Semantics (the same in every implementation):
+  1. logits = x(f32) @ router(f32); scores = softmax(logits) or sigmoid(logits).
+  2. Selection ranks scores + router_bias. With groups, a group's score is the sum of its two best
+     biased scores and only the best `topk_groups` groups stay eligible. Ties go to the lower
+     index, for groups and for experts; slot j holds the j-th best expert.
+  3. Weights are the unbiased scores of the chosen experts, divided by their sum when
+     `norm_topk_prob`, then times `routed_scaling`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import Array, lax
+
+from mok_jax.config import MoEConfig
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["experts_tk", "weights_tk", "logits_te", "scores_te"],
+                   meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """Where each token goes. experts_tk int32 [T, K] (best first); weights_tk f32 [T, K];
+    logits_te and scores_te f32 [T, E]."""
+
+    experts_tk: Array
+    weights_tk: Array
+    logits_te: Array
+    scores_te: Array
+
+
+def router_logits(x_td: Array, router_de: Array) -> Array:
+    """[T, D] x [D, E] -> f32 [T, E], at full f32 precision (no TF32) on every backend."""
+    return jnp.dot(x_td.astype(jnp.float32), router_de.astype(jnp.float32),
+                   precision=lax.Precision.HIGHEST)
+
+
+def router_scores(logits_te: Array, cfg: MoEConfig) -> Array:
+    if cfg.score_fn == "softmax":
+        return jax.nn.softmax(logits_te, axis=-1)
+    return jax.nn.sigmoid(logits_te)
+
+
+def top_k_indices(values: Array, k: int) -> Array:
+    """int32 [..., k]: indices of the k largest values along the last axis, largest first, ties
+    to the lower index, on every backend.
+
+    `lax.top_k` promises the same, but XLA may hand it to GPU kernels that do not keep it (see
+    openxla/xla#43913); a two-key sort (value descending, then index) states the order itself.
+    """
+    iota = lax.broadcasted_iota(jnp.int32, values.shape, values.ndim - 1)
+    _, indices = lax.sort((-values, iota), dimension=values.ndim - 1, num_keys=2)
+    return indices[..., :k]
+
+
+def eligible_experts(biased_te: Array, cfg: MoEConfig) -> Array:
+    """bool [T, E]: the experts of each token's `topk_groups` best groups."""
+    num_tokens = biased_te.shape[0]
+    grouped_tgp = biased_te.reshape(num_tokens, cfg.num_groups, cfg.experts_per_group)
+    best_two = lax.top_k(grouped_tgp, 2)[0]
+    group_score_tg = best_two[..., 0] + best_two[..., 1]
+    chosen_groups = top_k_indices(group_score_tg, cfg.topk_groups)
+    group_mask_tg = jnp.any(chosen_groups[..., None] == jnp.arange(cfg.num_groups), axis=1)
+    return jnp.repeat(group_mask_tg, cfg.experts_per_group, axis=1)
+
+
+def select_experts(scores_te: Array, bias_e: Array, cfg: MoEConfig) -> Array:
+    """int32 [T, K]: the K best experts by biased score, best first, ties to the lower index."""
+    biased_te = lax.stop_gradient(scores_te + bias_e.astype(jnp.float32))
+    if cfg.num_groups is not None:
+        biased_te = jnp.where(eligible_experts(biased_te, cfg), biased_te, -jnp.inf)
+    return top_k_indices(biased_te, cfg.top_k)
+
+
+def chosen_weights(scores_te: Array, experts_tk: Array, cfg: MoEConfig) -> Array:
+    """f32 [T, K]: each chosen expert's unbiased score, normalized and scaled.
+
+    A dense one-hot selection, not a gather: a gather's gradient is a scatter-add, which is not
+    bitwise repeatable on GPU. Each sum over E has one nonzero term, so it is exact.
+    """
+    onehot_tke = experts_tk[..., None] == jnp.arange(cfg.num_experts)
+    weights_tk = jnp.sum(jnp.where(onehot_tke, scores_te[:, None, :], 0.0), axis=-1)
+    if cfg.norm_topk_prob:
+        weights_tk = weights_tk / jnp.sum(weights_tk, axis=-1, keepdims=True)
+    return weights_tk * cfg.routed_scaling
+
+
+def route(x_td: Array, router_de: Array, bias_e: Array, cfg: MoEConfig) -> Routing:
+    """Routes T tokens: x [T, D] -> `Routing` (experts and weights [T, K], logits and scores)."""
+    logits_te = router_logits(x_td, router_de)
+    scores_te = router_scores(logits_te, cfg)
+    experts_tk = select_experts(scores_te, bias_e, cfg)
+    return Routing(experts_tk=experts_tk, weights_tk=chosen_weights(scores_te, experts_tk, cfg),
+                   logits_te=logits_te, scores_te=scores_te)
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["aux_loss", "z_loss", "tokens_per_expert", "dropped"],
+                   meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class MoEAux:
+    """What an MoE layer reports besides its output (a pytree).
+
+    Attributes:
+      aux_loss: f32 [] the load-balancing loss, already times `aux_loss_coef`.
+      z_loss: f32 [] the router z-loss, already times `z_loss_coef`.
+      tokens_per_expert: int32 [E] rows routed to each expert, counted before any capacity drop.
+      dropped: int32 [] (token, slot) rows dropped by the capacity; 0 when dropless.
+    """
+
+    aux_loss: Array
+    z_loss: Array
+    tokens_per_expert: Array
+    dropped: Array
+
+    @property
+    def loss(self) -> Array:
+        """aux_loss + z_loss: what to add to the training loss."""
+        return self.aux_loss + self.z_loss
+
+
+def load_balancing_loss(scores_te: Array, tokens_per_expert_e: Array, cfg: MoEConfig) -> Array:
+    """coef * E * sum_e f_e * P_e (f32 []): f_e the share of the T*K routed slots sent to e, P_e
+    the mean over tokens of the scores normalized to sum to 1 per token."""
+    if cfg.aux_loss_coef == 0:
+        return jnp.zeros((), jnp.float32)
+    num_slots = scores_te.shape[0] * cfg.top_k
+    f_e = tokens_per_expert_e.astype(jnp.float32) / num_slots
+    p_e = jnp.mean(scores_te / jnp.sum(scores_te, axis=-1, keepdims=True), axis=0)
+    return cfg.aux_loss_coef * cfg.num_experts * jnp.sum(f_e * p_e)
+
+
+def router_z_loss(logits_te: Array, cfg: MoEConfig) -> Array:
+    """coef * mean_t(logsumexp(logits_t)^2) (f32 [])."""
+    if cfg.z_loss_coef == 0:
+        return jnp.zeros((), jnp.float32)
+    return cfg.z_loss_coef * jnp.mean(jax.nn.logsumexp(logits_te, axis=-1) ** 2)
+
+
+def update_router_bias(bias: Array, tokens_per_expert: Array, rate: float) -> Array:
+    """Auxiliary-loss-free balancing (DeepSeek-V3): bias += rate * sign(mean load - load).
+
+    Args:
+      bias: [E] the current `MoEParams.router_bias`.
+      tokens_per_expert: [E] int the load of the last step (`MoEAux.tokens_per_expert`).
+      rate: the update speed (DeepSeek-V3 used 0.001).
+
+    Returns:
+      The new bias, [E], in `bias`'s dtype: overloaded experts are pushed down, idle ones up.
+
+    Example:
+      >>> update_router_bias(jnp.zeros(4), jnp.array([6, 2, 0, 0]), 0.1)
+      Array([-0.1,  0.1,  0.1,  0.1], dtype=float32)
+    """
+    if jnp.shape(bias) != jnp.shape(tokens_per_expert) or jnp.ndim(bias) != 1:
+        raise ValueError(f"bias {jnp.shape(bias)} and tokens_per_expert "
+                         f"{jnp.shape(tokens_per_expert)} must both have shape [E]")
+    load_e = jnp.asarray(tokens_per_expert).astype(jnp.float32)
+    step_e = rate * jnp.sign(jnp.mean(load_e) - load_e)
+    return (jnp.asarray(bias).astype(jnp.float32) + step_e).astype(jnp.result_type(bias))

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The project's test suite. Sets up .venv (with the test extra) on first use, then runs pytest;
+# arguments go to pytest, e.g. ./test.sh tests/mok_jax -k routing
+set -euo pipefail
+cd "$(dirname "$0")"
+source scripts/venv.sh "test"
+exec "$MOK_PY" -m pytest -n 2 "$@"

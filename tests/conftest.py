@@ -1,0 +1,35 @@
+"""Test set-up: 8 fake CPU devices, strict dtype promotion, hypothesis profiles, the gpu marker."""
+
+import os
+
+# Before jax initializes its backends: 8 simulated CPU devices for the sharded tests.
+_flags = os.environ.get("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in _flags:
+    os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=8".strip()
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+# Every implicit promotion is an error: the library states its dtypes.
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+
+settings.register_profile("ci", max_examples=40, deadline=None, derandomize=True)
+settings.register_profile("thorough", max_examples=500, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def _has_gpu() -> bool:
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _has_gpu():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

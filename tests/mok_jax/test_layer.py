@@ -1,0 +1,219 @@
+"""The MoE layer's contract, held against the reference: one base class, one thin subclass per
+implementation (later implementations add theirs)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from absl.testing import parameterized
+
+from mok_jax import MoEConfig, init_params, moe, presets
+from tests.mok_jax.cases import (SCALED_PRESETS, assert_aux_equal, assert_close, random_inputs,
+                                 value_and_grads, with_impl)
+
+TINY = presets["tiny"]
+
+
+def scatter_combiners(hlo_text: str) -> list[str]:
+    """The ops in the combiner region of every `stablehlo.scatter` of a lowered module."""
+    combiners = []
+    for match in re.finditer(r'"?stablehlo\.scatter"?\(', hlo_text):
+        region = hlo_text[match.end():].split("})", 1)[0]
+        combiners.append(" ".join(sorted(set(re.findall(r"stablehlo\.\w+", region)))))
+    return combiners
+
+
+class _LayerTest(chex.TestCase):
+    """What every implementation must do. Subclasses set `implementation`."""
+
+    implementation: str
+
+    def cfg(self, base: MoEConfig = TINY, **changes) -> MoEConfig:
+        return with_impl(base, self.implementation, **changes)
+
+    def check_against_reference(self, cfg: MoEConfig, num_tokens: int = 40, seed: int = 0,
+                                params_change=None):
+        """Values, aux and every gradient (one random cotangent) of `cfg` vs the reference."""
+        x, params, cotangent = random_inputs(cfg, num_tokens, seed)
+        if params_change is not None:
+            params = params_change(params)
+        (_, (y, aux)), grads = value_and_grads(x, params, cotangent, cfg=cfg)
+        reference = with_impl(cfg, "reference")
+        (_, (y_ref, aux_ref)), grads_ref = value_and_grads(x, params, cotangent, cfg=reference)
+        chex.assert_shape(y, x.shape)
+        chex.assert_type(y, x.dtype)
+        assert_close(y, y_ref, cfg.dtype)
+        assert_aux_equal(aux, aux_ref)
+        assert_close(grads, grads_ref, cfg.dtype)
+        chex.assert_tree_all_finite(grads)
+        return aux, grads
+
+    @parameterized.product(preset=sorted(SCALED_PRESETS), dtype=("float32", "bfloat16"))
+    def test_matches_reference(self, preset, dtype):
+        cfg = self.cfg(SCALED_PRESETS[preset], dtype=dtype)
+        self.check_against_reference(cfg, num_tokens=48, seed=len(preset))
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_forward_with_and_without_jit(self):
+        cfg = self.cfg()
+        x, params, _ = random_inputs(cfg, 24, seed=1)
+        y, aux = self.variant(functools.partial(moe, cfg=cfg))(x, params)
+        y_ref, aux_ref = moe(x, params, with_impl(cfg, "reference"))
+        assert_close(y, y_ref, cfg.dtype)
+        assert_aux_equal(aux, aux_ref)
+
+    def test_expert_with_no_tokens(self):
+        def starve_expert_3(params):
+            return dataclasses.replace(params, router_bias=params.router_bias.at[3].set(-10.0))
+        aux, grads = self.check_against_reference(self.cfg(), params_change=starve_expert_3)
+        self.assertEqual(int(aux.tokens_per_expert[3]), 0)
+        for name in ("w_gate", "w_up", "w_down"):
+            chex.assert_trees_all_equal(getattr(grads[1], name)[3],
+                                        jnp.zeros_like(getattr(grads[1], name)[3]))
+
+    def test_all_tokens_to_one_expert(self):
+        def favour_expert_5(params):
+            return dataclasses.replace(params, router_bias=params.router_bias.at[5].set(10.0))
+        for top_k in (1, 3):
+            cfg = self.cfg(top_k=top_k)
+            aux, _ = self.check_against_reference(cfg, num_tokens=33,
+                                                  params_change=favour_expert_5)
+            self.assertEqual(int(aux.tokens_per_expert[5]), 33)
+
+    @parameterized.parameters(1, 8)
+    def test_top_k_edges(self, top_k):  # k = 1 and k = E
+        cfg = self.cfg(top_k=top_k, norm_topk_prob=True)
+        aux, _ = self.check_against_reference(cfg, num_tokens=20)
+        self.assertEqual(int(aux.tokens_per_expert.sum()), 20 * top_k)
+
+    @parameterized.parameters(1, 2, 37)
+    def test_token_counts(self, num_tokens):  # T = 1 and T a multiple of nothing
+        self.check_against_reference(self.cfg(), num_tokens=num_tokens)
+
+    def test_capacity_drops_like_switch(self):
+        cfg = self.cfg(SCALED_PRESETS["switch"], num_experts=8)   # top-1, capacity factor 1.25
+
+        def crowd_expert_0(params):
+            return dataclasses.replace(params, router_bias=params.router_bias.at[0].set(0.05))
+        aux, _ = self.check_against_reference(cfg, num_tokens=64, params_change=crowd_expert_0)
+        capacity = cfg.capacity(64)
+        self.assertEqual(capacity, 10)
+        overflow = np.maximum(np.asarray(aux.tokens_per_expert) - capacity, 0).sum()
+        self.assertGreater(int(aux.dropped), 0)
+        self.assertEqual(int(aux.dropped), int(overflow))
+
+    def test_leading_dimensions_are_tokens(self):
+        cfg = self.cfg()
+        x, params, _ = random_inputs(cfg, 2 * 3 * 5, seed=2)
+        y_flat, aux_flat = moe(x, params, cfg)
+        y, aux = moe(x.reshape(2, 3, 5, cfg.d_model), params, cfg)
+        chex.assert_shape(y, (2, 3, 5, cfg.d_model))
+        chex.assert_trees_all_equal(y.reshape(y_flat.shape), y_flat)
+        chex.assert_trees_all_equal(aux, aux_flat)
+
+    @parameterized.parameters(("float32", "bfloat16"), ("bfloat16", "float32"),
+                              ("float16", "float32"))
+    def test_output_has_input_dtype(self, x_dtype, compute_dtype):
+        cfg = self.cfg(dtype=compute_dtype)
+        x, params, _ = random_inputs(cfg, 16, x_dtype=x_dtype)
+        y, _ = moe(x, params, cfg)
+        chex.assert_type(y, jnp.dtype(x_dtype))
+
+    def test_no_tokens(self):
+        cfg = self.cfg()
+        params = init_params(jax.random.key(0), cfg)
+        y, aux = moe(jnp.zeros((0, cfg.d_model), jnp.bfloat16), params, cfg)
+        chex.assert_shape(y, (0, cfg.d_model))
+        self.assertEqual(int(aux.tokens_per_expert.sum()), 0)
+
+    @parameterized.parameters("float32", "bfloat16")
+    def test_bitwise_repeatable(self, dtype):
+        cfg = self.cfg(SCALED_PRESETS["deepseek_v3"], dtype=dtype)
+        x, params, cotangent = random_inputs(cfg, 64, seed=3)
+        first = value_and_grads(x, params, cotangent, cfg=cfg)
+        again = value_and_grads(x, params, cotangent, cfg=cfg)
+        fresh = jax.jit(lambda *a: value_and_grads(*a, cfg=cfg))(x, params, cotangent)
+        chex.assert_trees_all_equal(first, again)
+        chex.assert_trees_all_equal(first, fresh)
+
+    def test_router_bias_gets_no_gradient(self):
+        _, grads = self.check_against_reference(self.cfg(SCALED_PRESETS["deepseek_v3"]))
+        chex.assert_trees_all_equal(grads[1].router_bias, jnp.zeros_like(grads[1].router_bias))
+
+    def test_traced_once_per_shape(self):
+        cfg = self.cfg()
+        _, params, _ = random_inputs(cfg, 8)
+
+        @jax.jit
+        @chex.assert_max_traces(n=1)
+        def forward(x, params):
+            return moe(x, params, cfg)
+
+        for seed in range(3):
+            forward(random_inputs(cfg, 8, seed=seed)[0], params)
+
+    @parameterized.parameters("deepseek_v3", "switch", "qwen3_30b_a3b")
+    def test_no_scatter_add_when_lowered_for_cuda(self, preset):
+        cfg = self.cfg(SCALED_PRESETS[preset])
+        x, params, cotangent = random_inputs(cfg, 32)
+        lowered = jax.jit(functools.partial(value_and_grads, cfg=cfg)).trace(
+            x, params, cotangent).lower(lowering_platforms=("cuda",))
+        combiners = scatter_combiners(lowered.as_text())
+        self.assertFalse([c for c in combiners if "add" in c],
+                         f"scatter-adds on the forward/backward path: {combiners}")
+
+
+class XlaLayerTest(_LayerTest):
+    implementation = "xla"
+
+
+del _LayerTest  # the base class holds no implementation of its own
+
+
+def test_scatter_combiners_finds_an_add():
+    """The lowering check above can fail: a gather's autodiff gradient is a scatter-add."""
+    lowered = jax.jit(jax.grad(lambda a: a[jnp.array([0, 0, 1])].sum())).trace(
+        jnp.ones(4)).lower(lowering_platforms=("cuda",))
+    assert any("add" in c for c in scatter_combiners(lowered.as_text()))
+
+
+class TestBadInput:
+    cfg = TINY
+    params = init_params(jax.random.key(0), TINY)
+
+    @pytest.mark.parametrize("x, message", [
+        (jnp.ones((4, 64), jnp.int32), "floating dtype"),
+        (jnp.ones((4, 63)), "d_model=64"),
+        (jnp.ones(()), "d_model=64"),
+    ])
+    def test_bad_x(self, x, message):
+        with pytest.raises(ValueError, match=message):
+            moe(x, self.params, self.cfg)
+
+    def test_mismatched_params(self):
+        bad = dataclasses.replace(self.params, w_up=jnp.ones((8, 64, 64)))
+        with pytest.raises(ValueError, match=r"w_up has shape \(8, 64, 64\), expected "
+                                             r"\(8, 64, 128\)"):
+            moe(jnp.ones((4, 64)), bad, self.cfg)
+
+    def test_missing_shared_experts(self):
+        cfg = SCALED_PRESETS["deepseek_v3"]
+        params = init_params(jax.random.key(0), cfg)
+        bad = dataclasses.replace(params, shared_w_up=None)
+        with pytest.raises(ValueError, match="shared_w_up is None"):
+            moe(jnp.ones((4, cfg.d_model)), bad, cfg)
+
+    def test_params_for_another_config(self):
+        with pytest.raises(ValueError, match="router has shape"):
+            moe(jnp.ones((4, 64)), self.params, SCALED_PRESETS["qwen3_30b_a3b"])
+
+    def test_config_must_be_a_config(self):
+        with pytest.raises(ValueError, match="cfg must be a MoEConfig"):
+            moe(jnp.ones((4, 64)), self.params, {"d_model": 64})
