@@ -14,7 +14,6 @@ Plus DeepSeek-V3's `gate.e_score_correction_bias` [E] and shared experts
 from __future__ import annotations
 
 import dataclasses
-import re
 import typing
 from collections.abc import Mapping
 
@@ -49,6 +48,8 @@ def moe_config_from_hf(hf_config: typing.Any, **overrides: typing.Any) -> MoECon
     """The `MoEConfig` of a Hugging Face Mixtral / Qwen3-MoE / DeepSeek-V3 config.
 
     `overrides` replace fields afterwards (e.g. `dtype`, `implementation`, `capacity_factor`).
+    Fields that shape the layer's function must be present: a missing one raises `ValueError`
+    rather than take a default that may not be transformers' (DeepSeek-V3's `n_group`, ...).
     """
     conf = _config_dict(hf_config)
     layout = conf.get("model_type")
@@ -65,15 +66,16 @@ def moe_config_from_hf(hf_config: typing.Any, **overrides: typing.Any) -> MoECon
                       num_experts=_required(conf, "num_local_experts"), norm_topk_prob=True)
     elif layout == "qwen3_moe":
         fields = dict(d_ff=_required(conf, "moe_intermediate_size"),
-                      num_experts=_required(conf, "num_experts"),
+                      num_experts=_required(conf, "num_experts", "num_local_experts"),
                       norm_topk_prob=bool(conf.get("norm_topk_prob", False)))
     else:
         fields = dict(d_ff=_required(conf, "moe_intermediate_size"),
                       num_experts=_required(conf, "n_routed_experts", "num_local_experts"),
                       score_fn="sigmoid", norm_topk_prob=bool(conf.get("norm_topk_prob", True)),
-                      routed_scaling=float(conf.get("routed_scaling_factor", 1.0)),
-                      num_groups=conf.get("n_group"), topk_groups=conf.get("topk_group"),
-                      num_shared_experts=int(conf.get("n_shared_experts") or 0),
+                      routed_scaling=float(_required(conf, "routed_scaling_factor")),
+                      num_groups=_required(conf, "n_group"),
+                      topk_groups=_required(conf, "topk_group"),
+                      num_shared_experts=_required(conf, "n_shared_experts"),
                       aux_loss_coef=0.0)
     cfg = MoEConfig(**{**common, **fields})
     return dataclasses.replace(cfg, **overrides) if overrides else cfg
@@ -88,36 +90,44 @@ def _to_array(value: typing.Any, param_dtype: np.dtype | None) -> Array:
     return array if param_dtype is None else array.astype(param_dtype)
 
 
-def _expert_weights(weights: Mapping[str, typing.Any], cfg: MoEConfig, layout: str,
-                    param_dtype: np.dtype | None) -> tuple[Array, Array, Array]:
+def _take(block: Mapping[str, typing.Any], key: str, shape: tuple[int, ...], *, prefix: str,
+          param_dtype: np.dtype | None) -> Array:
+    """block[key] as a jax array, after checking that it is there and has `shape` (the shape
+    transformers gives it; a square matrix's orientation cannot be checked)."""
+    if key not in block:
+        raise ValueError(f"missing {prefix + key!r} among the weights (wrong prefix or layout?)")
+    got = tuple(block[key].shape)
+    if got != shape:
+        raise ValueError(f"{prefix + key!r} has shape {got}, expected {shape}")
+    return _to_array(block[key], param_dtype)
+
+
+def _expert_weights(take: typing.Callable[[str, tuple[int, ...]], Array],
+                    block: Mapping[str, typing.Any], cfg: MoEConfig, layout: str
+                    ) -> tuple[Array, Array, Array]:
     """(w_gate [E, D, F], w_up [E, D, F], w_down [E, F, D]) from either layout."""
-    f = cfg.d_ff
-    if "experts.gate_up_proj" in weights:
-        gate_up = _to_array(weights["experts.gate_up_proj"], param_dtype)     # [E, 2F, D]
-        down = _to_array(weights["experts.down_proj"], param_dtype)           # [E, D, F]
-        if gate_up.shape != (cfg.num_experts, 2 * f, cfg.d_model):
-            raise ValueError(f"experts.gate_up_proj has shape {gate_up.shape}, expected "
-                             f"{(cfg.num_experts, 2 * f, cfg.d_model)}")
-        return (jnp.swapaxes(gate_up[:, :f], 1, 2), jnp.swapaxes(gate_up[:, f:], 1, 2),
-                jnp.swapaxes(down, 1, 2))
+    e, d, f = cfg.num_experts, cfg.d_model, cfg.d_ff
+    if "experts.gate_up_proj" in block:
+        gate_up_efd = take("experts.gate_up_proj", (e, 2 * f, d))      # gate rows first
+        down_edf = take("experts.down_proj", (e, d, f))
+        return (jnp.swapaxes(gate_up_efd[:, :f], 1, 2), jnp.swapaxes(gate_up_efd[:, f:], 1, 2),
+                jnp.swapaxes(down_edf, 1, 2))
     names = ("w1", "w3", "w2") if layout == "mixtral" else ("gate_proj", "up_proj", "down_proj")
-    stacked = []
-    for name in names:
-        per_expert = []
-        for e in range(cfg.num_experts):
-            key = f"experts.{e}.{name}.weight"
-            if key not in weights:
-                raise ValueError(f"missing {key!r}: neither the fused layout "
-                                 "('experts.gate_up_proj') nor the per-expert one is complete")
-            per_expert.append(_to_array(weights[key], param_dtype).T)
-        stacked.append(jnp.stack(per_expert))
-    return stacked[0], stacked[1], stacked[2]
+    shapes = ((f, d), (f, d), (d, f))
+    w_gate, w_up, w_down = (
+        jnp.swapaxes(jnp.stack([take(f"experts.{i}.{name}.weight", shape) for i in range(e)]),
+                     1, 2)
+        for name, shape in zip(names, shapes, strict=True))
+    return w_gate, w_up, w_down
 
 
 def from_hf(weights: Mapping[str, typing.Any], hf_config: typing.Any, *, prefix: str = "",
             param_dtype: typing.Any = None, **overrides: typing.Any
             ) -> tuple[MoEParams, MoEConfig]:
     """Turns one Hugging Face MoE block's weights into `MoEParams` and their `MoEConfig`.
+
+    Every weight of the block must be used: a missing, unexpected or misshapen one raises
+    `ValueError` naming it.
 
     Args:
       weights: the block's tensors by name (torch tensors, numpy or jax arrays), e.g.
@@ -141,26 +151,28 @@ def from_hf(weights: Mapping[str, typing.Any], hf_config: typing.Any, *, prefix:
     block = {k.removeprefix(prefix): v for k, v in weights.items() if k.startswith(prefix)}
     layout = _config_dict(hf_config)["model_type"]
     dtype = None if param_dtype is None else canonical_dtype(param_dtype)
-    if "gate.weight" not in block:
-        raise ValueError(f"no router weight {prefix + 'gate.weight'!r} among the weights")
-    router = _to_array(block["gate.weight"], dtype).T
-    if "gate.e_score_correction_bias" in block:
-        bias = _to_array(block["gate.e_score_correction_bias"], dtype)
+    used: set[str] = set()
+
+    def take(key: str, shape: tuple[int, ...]) -> Array:
+        used.add(key)
+        return _take(block, key, shape, prefix=prefix, param_dtype=dtype)
+
+    e, d, sf = cfg.num_experts, cfg.d_model, cfg.shared_width
+    router = take("gate.weight", (e, d)).T
+    if layout == "deepseek_v3":
+        bias = take("gate.e_score_correction_bias", (e,))
     else:
-        bias = jnp.zeros((cfg.num_experts,), router.dtype)
-    w_gate, w_up, w_down = _expert_weights(block, cfg, layout, dtype)
+        bias = jnp.zeros((e,), router.dtype)
+    w_gate, w_up, w_down = _expert_weights(take, block, cfg, layout)
     shared = {}
     if cfg.num_shared_experts:
-        for name in ("gate", "up", "down"):
-            key = f"shared_experts.{name}_proj.weight"
-            if key not in block:
-                raise ValueError(f"missing {prefix + key!r} for num_shared_experts="
-                                 f"{cfg.num_shared_experts}")
-            shared[f"shared_w_{name}"] = _to_array(block[key], dtype).T
-    unused = sorted(k for k in block if not re.fullmatch(
-        r"gate\.(weight|e_score_correction_bias)|experts\..*|shared_experts\..*", k))
+        shared = dict(shared_w_gate=take("shared_experts.gate_proj.weight", (sf, d)).T,
+                      shared_w_up=take("shared_experts.up_proj.weight", (sf, d)).T,
+                      shared_w_down=take("shared_experts.down_proj.weight", (d, sf)).T)
+    unused = sorted(set(block) - used)
     if unused:
-        raise ValueError(f"weights not understood (wrong prefix or layout?): {unused[:8]}")
+        raise ValueError(f"weights not understood (wrong prefix or layout?): "
+                         f"{[prefix + k for k in unused[:8]]}")
     params = MoEParams(router=router, router_bias=bias, w_gate=w_gate, w_up=w_up,
                        w_down=w_down, **shared)
     validate_params(params, cfg)
