@@ -1,7 +1,6 @@
 """mok-jax: deterministic, dropless Mixture-of-Experts layers for JAX."""
 
-from mok_jax.config import (IMPLEMENTATIONS, PRESETS, Implementation, MoEConfig, ScoreFn,
-                            scale_down)
+from mok_jax.config import IMPLEMENTATIONS, PRESETS, Implementation, MoEConfig, ScoreFn, scale_down
 from mok_jax.hf import from_hf
 from mok_jax.layer import moe
 from mok_jax.module import MoE, RouterBias

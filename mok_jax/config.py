@@ -34,8 +34,13 @@ IMPLEMENTATIONS: tuple[str, ...] = typing.get_args(Implementation)
 SCORE_FNS: tuple[str, ...] = typing.get_args(ScoreFn)
 
 # Short dtype names a command line or a config file may use, besides numpy's own names.
-_DTYPE_ALIASES = {"bf16": "bfloat16", "f16": "float16", "fp16": "float16", "f32": "float32",
-                  "fp32": "float32"}
+_DTYPE_ALIASES = {
+    "bf16": "bfloat16",
+    "f16": "float16",
+    "fp16": "float16",
+    "f32": "float32",
+    "fp32": "float32",
+}
 
 
 def canonical_dtype(dtype: typing.Any) -> np.dtype:
@@ -118,21 +123,26 @@ class MoEConfig:
 
         for name in ("d_model", "d_ff", "num_experts", "top_k"):
             put(name, _check_int(name, getattr(self, name), minimum=1))
-        put("num_shared_experts", _check_int("num_shared_experts", self.num_shared_experts,
-                                             minimum=0))
+        put(
+            "num_shared_experts",
+            _check_int("num_shared_experts", self.num_shared_experts, minimum=0),
+        )
         put("routed_scaling", _check_float("routed_scaling", self.routed_scaling, positive=True))
         put("aux_loss_coef", _check_float("aux_loss_coef", self.aux_loss_coef, positive=False))
         put("z_loss_coef", _check_float("z_loss_coef", self.z_loss_coef, positive=False))
         if self.capacity_factor is not None:
-            put("capacity_factor", _check_float("capacity_factor", self.capacity_factor,
-                                                positive=True))
+            put(
+                "capacity_factor",
+                _check_float("capacity_factor", self.capacity_factor, positive=True),
+            )
         if not isinstance(self.norm_topk_prob, bool):
             raise ValueError(f"norm_topk_prob={self.norm_topk_prob!r} must be a bool")
         if self.score_fn not in SCORE_FNS:
             raise ValueError(f"score_fn={self.score_fn!r} must be one of {SCORE_FNS}")
         if self.implementation not in IMPLEMENTATIONS:
-            raise ValueError(f"implementation={self.implementation!r} must be one of "
-                             f"{IMPLEMENTATIONS}")
+            raise ValueError(
+                f"implementation={self.implementation!r} must be one of {IMPLEMENTATIONS}"
+            )
         put("dtype", canonical_dtype(self.dtype))
 
         top_k, num_experts = self.top_k, self.num_experts
@@ -143,8 +153,10 @@ class MoEConfig:
     def _validate_groups(self) -> None:
         num_groups, topk_groups, num_experts = self.num_groups, self.topk_groups, self.num_experts
         if (num_groups is None) != (topk_groups is None):
-            raise ValueError(f"{num_groups=} and {topk_groups=} must be set together "
-                             "(both None turns group-limited routing off)")
+            raise ValueError(
+                f"{num_groups=} and {topk_groups=} must be set together "
+                "(both None turns group-limited routing off)"
+            )
         if num_groups is None:
             return
         num_groups = _check_int("num_groups", num_groups, minimum=1)
@@ -154,14 +166,18 @@ class MoEConfig:
         if num_experts % num_groups:
             raise ValueError(f"{num_groups=} must divide {num_experts=}")
         if num_experts // num_groups < 2:
-            raise ValueError(f"each group needs >= 2 experts: {num_experts=} / {num_groups=} "
-                             f"= {num_experts // num_groups}")
+            raise ValueError(
+                f"each group needs >= 2 experts: {num_experts=} / {num_groups=} "
+                f"= {num_experts // num_groups}"
+            )
         if topk_groups > num_groups:
             raise ValueError(f"{topk_groups=} must be <= {num_groups=}")
         eligible = topk_groups * (num_experts // num_groups)
         if self.top_k > eligible:
-            raise ValueError(f"top_k={self.top_k} must be <= the {eligible} experts of the "
-                             f"{topk_groups=} best groups")
+            raise ValueError(
+                f"top_k={self.top_k} must be <= the {eligible} experts of the "
+                f"{topk_groups=} best groups"
+            )
 
     @property
     def experts_per_group(self) -> int:
@@ -185,8 +201,9 @@ class MoEConfig:
         return math.ceil(factor * num_tokens * self.top_k / self.num_experts)
 
 
-def scale_down(cfg: MoEConfig, *, d_model: int = 64, d_ff: int = 64,
-               max_experts: int = 32) -> MoEConfig:
+def scale_down(
+    cfg: MoEConfig, *, d_model: int = 64, d_ff: int = 64, max_experts: int = 32
+) -> MoEConfig:
     """A small config with `cfg`'s routing, for tests and CPU runs.
 
     Keeps the score function, normalization, scaling, group structure (number of groups and
@@ -210,29 +227,61 @@ def scale_down(cfg: MoEConfig, *, d_model: int = 64, d_ff: int = 64,
         eligible = cfg.topk_groups * (num_experts // cfg.num_groups)
     else:
         eligible = num_experts
-    return dataclasses.replace(cfg, d_model=d_model, d_ff=d_ff, num_experts=num_experts,
-                               top_k=min(cfg.top_k, eligible))
+    return dataclasses.replace(
+        cfg, d_model=d_model, d_ff=d_ff, num_experts=num_experts, top_k=min(cfg.top_k, eligible)
+    )
 
 
-PRESETS: Mapping[str, MoEConfig] = MappingProxyType({
-    # A few hundred thousand parameters: the quickstart's and the tests' default.
-    "tiny": MoEConfig(d_model=64, d_ff=128, num_experts=8, top_k=2, aux_loss_coef=1e-2,
-                      z_loss_coef=1e-3),
-    # Switch Transformer (Fedus et al. 2021), Switch-Base-128: top-1, capacity factor 1.25.
-    "switch": MoEConfig(d_model=768, d_ff=3072, num_experts=128, top_k=1, capacity_factor=1.25,
-                        aux_loss_coef=1e-2),
-    # Mixtral 8x7B: softmax over the chosen two (= normalized top-2 probabilities).
-    "mixtral_8x7b": MoEConfig(d_model=4096, d_ff=14336, num_experts=8, top_k=2,
-                              norm_topk_prob=True, aux_loss_coef=2e-2),
-    # DeepSeek-V3: 256 routed + 1 shared, sigmoid, 8 groups of which 4 stay, top-8, scaling 2.5.
-    "deepseek_v3": MoEConfig(d_model=7168, d_ff=2048, num_experts=256, top_k=8,
-                             score_fn="sigmoid", norm_topk_prob=True, routed_scaling=2.5,
-                             num_groups=8, topk_groups=4, num_shared_experts=1,
-                             aux_loss_coef=1e-4),
-    # Qwen3-30B-A3B: 128 experts, top-8, normalized.
-    "qwen3_30b_a3b": MoEConfig(d_model=2048, d_ff=768, num_experts=128, top_k=8,
-                               norm_topk_prob=True, aux_loss_coef=1e-3),
-    # Cursor's MoK benchmark layer: 384 experts, top-6, D 7168, F 3072.
-    "mok_bench": MoEConfig(d_model=7168, d_ff=3072, num_experts=384, top_k=6,
-                           norm_topk_prob=True),
-})
+PRESETS: Mapping[str, MoEConfig] = MappingProxyType(
+    {
+        # A few hundred thousand parameters: the quickstart's and the tests' default.
+        "tiny": MoEConfig(
+            d_model=64, d_ff=128, num_experts=8, top_k=2, aux_loss_coef=1e-2, z_loss_coef=1e-3
+        ),
+        # Switch Transformer (Fedus et al. 2021), Switch-Base-128: top-1, capacity factor 1.25.
+        "switch": MoEConfig(
+            d_model=768,
+            d_ff=3072,
+            num_experts=128,
+            top_k=1,
+            capacity_factor=1.25,
+            aux_loss_coef=1e-2,
+        ),
+        # Mixtral 8x7B: softmax over the chosen two (= normalized top-2 probabilities).
+        "mixtral_8x7b": MoEConfig(
+            d_model=4096,
+            d_ff=14336,
+            num_experts=8,
+            top_k=2,
+            norm_topk_prob=True,
+            aux_loss_coef=2e-2,
+        ),
+        # DeepSeek-V3: 256 routed + 1 shared, sigmoid, 8 groups of which 4 stay, top-8, scaling 2.5.
+        "deepseek_v3": MoEConfig(
+            d_model=7168,
+            d_ff=2048,
+            num_experts=256,
+            top_k=8,
+            score_fn="sigmoid",
+            norm_topk_prob=True,
+            routed_scaling=2.5,
+            num_groups=8,
+            topk_groups=4,
+            num_shared_experts=1,
+            aux_loss_coef=1e-4,
+        ),
+        # Qwen3-30B-A3B: 128 experts, top-8, normalized.
+        "qwen3_30b_a3b": MoEConfig(
+            d_model=2048,
+            d_ff=768,
+            num_experts=128,
+            top_k=8,
+            norm_topk_prob=True,
+            aux_loss_coef=1e-3,
+        ),
+        # Cursor's MoK benchmark layer: 384 experts, top-6, D 7168, F 3072.
+        "mok_bench": MoEConfig(
+            d_model=7168, d_ff=3072, num_experts=384, top_k=6, norm_topk_prob=True
+        ),
+    }
+)

@@ -24,8 +24,14 @@ def swiglu(gate: Array, up: Array) -> Array:
     return jax.nn.silu(gate) * up
 
 
-def grouped_swiglu_ragged(x_nd: Array, w_gate_edf: Array, w_up_edf: Array, w_down_efd: Array,
-                          group_sizes_e: Array, dtype: np.dtype) -> Array:
+def grouped_swiglu_ragged(
+    x_nd: Array,
+    w_gate_edf: Array,
+    w_up_edf: Array,
+    w_down_efd: Array,
+    group_sizes_e: Array,
+    dtype: np.dtype,
+) -> Array:
     """Rows sorted by expert [N, D] -> f32 [N, D], with `jax.lax.ragged_dot`.
 
     Rows past sum(group_sizes_e) belong to no expert and come out as zeros.
@@ -33,22 +39,32 @@ def grouped_swiglu_ragged(x_nd: Array, w_gate_edf: Array, w_up_edf: Array, w_dow
     precision = dot_precision(dtype)
 
     def grouped(lhs, rhs):
-        return lax.ragged_dot(lhs.astype(dtype), rhs.astype(dtype), group_sizes_e,
-                              precision=precision, preferred_element_type=jnp.float32)
+        return lax.ragged_dot(
+            lhs.astype(dtype),
+            rhs.astype(dtype),
+            group_sizes_e,
+            precision=precision,
+            preferred_element_type=jnp.float32,
+        )
 
     x_nd = x_nd.astype(dtype)
     h_nf = swiglu(grouped(x_nd, w_gate_edf), grouped(x_nd, w_up_edf))
     return grouped(h_nf, w_down_efd)
 
 
-def dense_swiglu(x_td: Array, w_gate_df: Array, w_up_df: Array, w_down_fd: Array,
-                 dtype: np.dtype) -> Array:
+def dense_swiglu(
+    x_td: Array, w_gate_df: Array, w_up_df: Array, w_down_fd: Array, dtype: np.dtype
+) -> Array:
     """One SwiGLU applied to every token: x [T, D] -> f32 [T, D] (the shared experts)."""
     precision = dot_precision(dtype)
 
     def dense(lhs, rhs):
-        return jnp.dot(lhs.astype(dtype), rhs.astype(dtype), precision=precision,
-                       preferred_element_type=jnp.float32)
+        return jnp.dot(
+            lhs.astype(dtype),
+            rhs.astype(dtype),
+            precision=precision,
+            preferred_element_type=jnp.float32,
+        )
 
     h_tf = swiglu(dense(x_td, w_gate_df), dense(x_td, w_up_df))
     return dense(h_tf, w_down_fd)

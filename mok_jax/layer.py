@@ -28,7 +28,7 @@ from mok_jax.params import MoEParams, validate_params
 from mok_jax.permute import rows_to_slots, sum_slots, tokens_to_rows
 from mok_jax.plan import Plan, make_plan
 from mok_jax.reference import moe_reference
-from mok_jax.routing import (MoEAux, Routing, load_balancing_loss, route, router_z_loss)
+from mok_jax.routing import MoEAux, Routing, load_balancing_loss, route, router_z_loss
 
 
 def _route(x_td: Array, params: MoEParams, cfg: MoEConfig) -> Routing:
@@ -49,12 +49,14 @@ def _dispatch(x_td: Array, plan: Plan, cfg: MoEConfig) -> Array:
 
 def _experts(x_nd: Array, params: MoEParams, plan: Plan, cfg: MoEConfig) -> Array:
     with jax.named_scope("experts"):
-        return grouped_swiglu_ragged(x_nd, params.w_gate, params.w_up, params.w_down,
-                                     plan.group_sizes_e, cfg.dtype)
+        return grouped_swiglu_ragged(
+            x_nd, params.w_gate, params.w_up, params.w_down, plan.group_sizes_e, cfg.dtype
+        )
 
 
-def _combine(y_nd: Array, x_td: Array, routing: Routing, plan: Plan, params: MoEParams,
-             cfg: MoEConfig) -> Array:
+def _combine(
+    y_nd: Array, x_td: Array, routing: Routing, plan: Plan, params: MoEParams, cfg: MoEConfig
+) -> Array:
     """y[t] = sum_j w[t, j] * y[t, j] in slot order (f32), plus the shared experts."""
     with jax.named_scope("combine"):
         num_tokens, top_k = routing.weights_tk.shape
@@ -64,16 +66,20 @@ def _combine(y_nd: Array, x_td: Array, routing: Routing, plan: Plan, params: MoE
             terms_tkd = jnp.where(plan.keep_n.reshape(num_tokens, top_k, 1), terms_tkd, 0.0)
         y_td = sum_slots(terms_tkd)
         if cfg.num_shared_experts:
-            y_td = y_td + dense_swiglu(x_td, params.shared_w_gate, params.shared_w_up,
-                                       params.shared_w_down, cfg.dtype)
+            y_td = y_td + dense_swiglu(
+                x_td, params.shared_w_gate, params.shared_w_up, params.shared_w_down, cfg.dtype
+            )
         return y_td.astype(x_td.dtype)
 
 
 def _aux(routing: Routing, plan: Plan, cfg: MoEConfig) -> MoEAux:
     with jax.named_scope("aux"):
-        return MoEAux(aux_loss=load_balancing_loss(routing.scores_te, plan.group_sizes_e, cfg),
-                      z_loss=router_z_loss(routing.logits_te, cfg),
-                      tokens_per_expert=plan.group_sizes_e, dropped=plan.dropped)
+        return MoEAux(
+            aux_loss=load_balancing_loss(routing.scores_te, plan.group_sizes_e, cfg),
+            z_loss=router_z_loss(routing.logits_te, cfg),
+            tokens_per_expert=plan.group_sizes_e,
+            dropped=plan.dropped,
+        )
 
 
 def moe_xla(x_td: Array, params: MoEParams, cfg: MoEConfig) -> tuple[Array, MoEAux]:
@@ -96,20 +102,23 @@ def _check_input(x: jax.typing.ArrayLike, cfg: MoEConfig) -> Array:
         raise ValueError(f"cfg must be a MoEConfig, got {type(cfg).__name__}")
     dtype = jnp.result_type(x)
     if not jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(f"x must have a floating dtype, got {dtype}: cast it yourself, the "
-                         "layer does not guess")
+        raise ValueError(
+            f"x must have a floating dtype, got {dtype}: cast it yourself, the layer does not guess"
+        )
     shape = jnp.shape(x)
     if len(shape) == 0 or shape[-1] != cfg.d_model:
-        raise ValueError(f"x has shape {shape}; its last dimension must be "
-                         f"d_model={cfg.d_model}")
+        raise ValueError(f"x has shape {shape}; its last dimension must be d_model={cfg.d_model}")
     return jnp.asarray(x)
 
 
 def _no_tokens(x: Array, cfg: MoEConfig) -> tuple[Array, MoEAux]:
     zero_f32 = jnp.zeros((), jnp.float32)
-    return x, MoEAux(aux_loss=zero_f32, z_loss=zero_f32,
-                     tokens_per_expert=jnp.zeros((cfg.num_experts,), jnp.int32),
-                     dropped=jnp.zeros((), jnp.int32))
+    return x, MoEAux(
+        aux_loss=zero_f32,
+        z_loss=zero_f32,
+        tokens_per_expert=jnp.zeros((cfg.num_experts,), jnp.int32),
+        dropped=jnp.zeros((), jnp.int32),
+    )
 
 
 def moe(x: jax.typing.ArrayLike, params: MoEParams, cfg: MoEConfig) -> tuple[Array, MoEAux]:

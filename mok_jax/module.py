@@ -33,8 +33,9 @@ class MoE(nnx.Module):
       ((2, 8, 64), (8,))
     """
 
-    def __init__(self, cfg: MoEConfig, *, rngs: nnx.Rngs,
-                 param_dtype: jax.typing.DTypeLike = jnp.float32):
+    def __init__(
+        self, cfg: MoEConfig, *, rngs: nnx.Rngs, param_dtype: jax.typing.DTypeLike = jnp.float32
+    ):
         params = init_params(rngs.params(), cfg, dtype=param_dtype)
         self.cfg = cfg
         self.router = nnx.Param(params.router)
@@ -50,14 +51,20 @@ class MoE(nnx.Module):
     @property
     def params(self) -> MoEParams:
         """The current weights as `MoEParams` (for `mok_jax.moe` or a checkpoint)."""
+
         def value(variable):
             return None if variable is None else variable[...]
 
         return MoEParams(
-            router=value(self.router), router_bias=value(self.router_bias),
-            w_gate=value(self.w_gate), w_up=value(self.w_up), w_down=value(self.w_down),
-            shared_w_gate=value(self.shared_w_gate), shared_w_up=value(self.shared_w_up),
-            shared_w_down=value(self.shared_w_down))
+            router=value(self.router),
+            router_bias=value(self.router_bias),
+            w_gate=value(self.w_gate),
+            w_up=value(self.w_up),
+            w_down=value(self.w_down),
+            shared_w_gate=value(self.shared_w_gate),
+            shared_w_up=value(self.shared_w_up),
+            shared_w_down=value(self.shared_w_down),
+        )
 
     def __call__(self, x: Array) -> tuple[Array, MoEAux]:
         """x [..., D] -> (y [..., D] in x's dtype, `MoEAux`); see `mok_jax.moe`."""
@@ -65,5 +72,4 @@ class MoE(nnx.Module):
 
     def update_router_bias(self, tokens_per_expert: Array, rate: float) -> None:
         """Moves the selection bias towards balance (see `mok_jax.update_router_bias`)."""
-        self.router_bias[...] = update_router_bias(self.router_bias[...], tokens_per_expert,
-                                                   rate)
+        self.router_bias[...] = update_router_bias(self.router_bias[...], tokens_per_expert, rate)

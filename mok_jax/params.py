@@ -12,10 +12,20 @@ from jax import Array
 from mok_jax.config import MoEConfig, canonical_dtype
 
 
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["router", "router_bias", "w_gate", "w_up", "w_down",
-                                "shared_w_gate", "shared_w_up", "shared_w_down"],
-                   meta_fields=[])
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=[
+        "router",
+        "router_bias",
+        "w_gate",
+        "w_up",
+        "w_down",
+        "shared_w_gate",
+        "shared_w_up",
+        "shared_w_down",
+    ],
+    meta_fields=[],
+)
 @dataclasses.dataclass(frozen=True)
 class MoEParams:
     """Weights of one MoE layer (a pytree). Any float dtype; the layer casts to `cfg.dtype`.
@@ -67,24 +77,30 @@ def validate_params(params: MoEParams, cfg: MoEConfig) -> None:
         value = getattr(params, name)
         if shape is None:
             if value is not None:
-                problems.append(f"{name} must be None with num_shared_experts=0, got shape "
-                                f"{jnp.shape(value)}")
+                problems.append(
+                    f"{name} must be None with num_shared_experts=0, got shape {jnp.shape(value)}"
+                )
             continue
         if value is None:
-            problems.append(f"{name} is None but num_shared_experts="
-                            f"{cfg.num_shared_experts} needs shape {shape}")
+            problems.append(
+                f"{name} is None but num_shared_experts="
+                f"{cfg.num_shared_experts} needs shape {shape}"
+            )
         elif jnp.shape(value) != shape:
             problems.append(f"{name} has shape {jnp.shape(value)}, expected {shape}")
         elif not jnp.issubdtype(jnp.result_type(value), jnp.floating):
             problems.append(f"{name} has dtype {jnp.result_type(value)}, expected a float dtype")
     if problems:
-        raise ValueError("MoEParams do not match the config "
-                         f"(D={cfg.d_model}, F={cfg.d_ff}, E={cfg.num_experts}, "
-                         f"S={cfg.num_shared_experts}): " + "; ".join(problems))
+        raise ValueError(
+            "MoEParams do not match the config "
+            f"(D={cfg.d_model}, F={cfg.d_ff}, E={cfg.num_experts}, "
+            f"S={cfg.num_shared_experts}): " + "; ".join(problems)
+        )
 
 
-def init_params(key: Array, cfg: MoEConfig, *, dtype: jax.typing.DTypeLike = jnp.float32
-                ) -> MoEParams:
+def init_params(
+    key: Array, cfg: MoEConfig, *, dtype: jax.typing.DTypeLike = jnp.float32
+) -> MoEParams:
     """Fresh parameters for `cfg`: truncated-normal fan-in init, zero router bias.
 
     Args:
@@ -102,8 +118,9 @@ def init_params(key: Array, cfg: MoEConfig, *, dtype: jax.typing.DTypeLike = jnp
     """
     dtype = canonical_dtype(dtype)
     d, f, sf = cfg.d_model, cfg.d_ff, cfg.shared_width
-    fan_in = functools.partial(jax.nn.initializers.variance_scaling, 1.0, "fan_in",
-                               "truncated_normal", dtype=dtype)
+    fan_in = functools.partial(
+        jax.nn.initializers.variance_scaling, 1.0, "fan_in", "truncated_normal", dtype=dtype
+    )
     expert_init = fan_in(in_axis=-2, out_axis=-1, batch_axis=(0,))
     dense_init = fan_in(in_axis=-2, out_axis=-1)
     keys = jax.random.split(key, 7)

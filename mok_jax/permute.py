@@ -29,11 +29,10 @@ def tokens_to_rows(x_td: Array, order_n: Array, inverse_n: Array, top_k: int) ->
 
 
 def _tokens_to_rows_fwd(x_td, order_n, inverse_n, top_k):
-    return tokens_to_rows(x_td, order_n, inverse_n, top_k), (order_n, inverse_n)
+    return tokens_to_rows(x_td, order_n, inverse_n, top_k), inverse_n
 
 
-def _tokens_to_rows_bwd(top_k, residuals, g_nd):
-    order_n, inverse_n = residuals
+def _tokens_to_rows_bwd(top_k, inverse_n, g_nd):
     g_tkd = g_nd[inverse_n].reshape(-1, top_k, g_nd.shape[-1])
     return sum_slots(g_tkd).astype(g_nd.dtype), None, None
 
@@ -48,11 +47,10 @@ def rows_to_slots(y_nd: Array, order_n: Array, inverse_n: Array) -> Array:
 
 
 def _rows_to_slots_fwd(y_nd, order_n, inverse_n):
-    return y_nd[inverse_n], (order_n, inverse_n)
+    return y_nd[inverse_n], order_n
 
 
-def _rows_to_slots_bwd(residuals, g_nd):
-    order_n, inverse_n = residuals
+def _rows_to_slots_bwd(order_n, g_nd):
     return g_nd[order_n], None, None
 
 

@@ -21,10 +21,11 @@ import jax.numpy as jnp
 from jax import Array
 
 
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["order_n", "inverse_n", "group_sizes_e", "group_starts_e",
-                                "keep_n"],
-                   meta_fields=[])
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["order_n", "inverse_n", "group_sizes_e", "group_starts_e", "keep_n"],
+    meta_fields=[],
+)
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """A routing's row permutation. All int32 but keep_n.
@@ -68,5 +69,10 @@ def make_plan(experts_tk: Array, num_experts: int, capacity: int | None = None) 
     if capacity is not None:
         rank_in_expert_n = inverse_n - starts_e[experts_n]
         keep_n = rank_in_expert_n < capacity
-    return Plan(order_n=order_n, inverse_n=inverse_n, group_sizes_e=ends_e - starts_e,
-                group_starts_e=starts_e, keep_n=keep_n)
+    return Plan(
+        order_n=order_n,
+        inverse_n=inverse_n,
+        group_sizes_e=ends_e - starts_e,
+        group_starts_e=starts_e,
+        keep_n=keep_n,
+    )

@@ -32,16 +32,25 @@ from mok_jax.tolerances import relative_error, tolerance
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m mok_jax", description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    parser.add_argument("--full-size", action="store_true",
-                        help="keep the preset's real sizes (default: scale down all but 'tiny')")
+    parser.add_argument(
+        "--full-size",
+        action="store_true",
+        help="keep the preset's real sizes (default: scale down all but 'tiny')",
+    )
     parser.add_argument("--tokens", type=int, default=512, help="tokens T (default 512)")
     parser.add_argument("--implementation", default="xla", choices=IMPLEMENTATIONS)
-    parser.add_argument("--dtype", default=None,
-                        help="compute dtype, e.g. bfloat16 or float32 (default: the preset's)")
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        help="compute dtype, e.g. bfloat16 or float32 (default: the preset's)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=10, help="timed runs (median reported)")
-    parser.add_argument("--no-reference", action="store_true",
-                        help="skip the comparison with the reference (E times the FLOPs)")
+    parser.add_argument(
+        "--no-reference",
+        action="store_true",
+        help="skip the comparison with the reference (E times the FLOPs)",
+    )
     args = parser.parse_args(argv)
     if args.tokens < 1 or args.repeats < 1:
         parser.error(f"--tokens={args.tokens} and --repeats={args.repeats} must be >= 1")
@@ -79,15 +88,18 @@ def _loss_fn(cfg: MoEConfig, cotangent: jax.Array) -> Callable:
     def loss(x, params):
         y, aux = moe(x, params, cfg)
         return jnp.vdot(y.astype(jnp.float32), cotangent) + aux.loss, (y, aux)
+
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
 
 
 def _print_load(aux: MoEAux, cfg: MoEConfig, num_tokens: int) -> None:
     load = [int(n) for n in aux.tokens_per_expert]
     mean = num_tokens * cfg.top_k / cfg.num_experts
-    print(f"expert load   : {sum(load)} rows over {cfg.num_experts} experts; min {min(load)}, "
-          f"mean {mean:.1f}, max {max(load)} (max/mean {max(load) / mean:.2f}); "
-          f"{load.count(0)} idle; dropped {int(aux.dropped)}")
+    print(
+        f"expert load   : {sum(load)} rows over {cfg.num_experts} experts; min {min(load)}, "
+        f"mean {mean:.1f}, max {max(load)} (max/mean {max(load) / mean:.2f}); "
+        f"{load.count(0)} idle; dropped {int(aux.dropped)}"
+    )
     if cfg.num_experts <= 32:
         width = 40 / max(max(load), 1)
         for e, n in enumerate(load):
@@ -115,24 +127,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
     cfg = _config(args)
     device = jax.devices()[0]
-    print(f"mok-jax quickstart on {device.platform.upper()} ({device.device_kind}), "
-          f"jax {jax.__version__}")
-    print(f"config        : {args.preset}{' (scaled down)' if _scaled(args) else ''}: D={cfg.d_model} "
-          f"F={cfg.d_ff} E={cfg.num_experts} K={cfg.top_k} S={cfg.num_shared_experts} "
-          f"{cfg.score_fn} groups={cfg.num_groups}/{cfg.topk_groups} "
-          f"capacity={cfg.capacity_factor} dtype={cfg.dtype.name} impl={cfg.implementation}")
+    print(
+        f"mok-jax quickstart on {device.platform.upper()} ({device.device_kind}), "
+        f"jax {jax.__version__}"
+    )
+    print(
+        f"config        : {args.preset}{' (scaled down)' if _scaled(args) else ''}: "
+        f"D={cfg.d_model} "
+        f"F={cfg.d_ff} E={cfg.num_experts} K={cfg.top_k} S={cfg.num_shared_experts} "
+        f"{cfg.score_fn} groups={cfg.num_groups}/{cfg.topk_groups} "
+        f"capacity={cfg.capacity_factor} dtype={cfg.dtype.name} impl={cfg.implementation}"
+    )
     key_p, key_x, key_c = jax.random.split(jax.random.key(args.seed), 3)
     params = init_params(key_p, cfg)
     total = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params))
-    active = (cfg.d_model * cfg.num_experts
-              + (cfg.top_k + cfg.num_shared_experts) * 3 * cfg.d_model * cfg.d_ff)
+    active = (
+        cfg.d_model * cfg.num_experts
+        + (cfg.top_k + cfg.num_shared_experts) * 3 * cfg.d_model * cfg.d_ff
+    )
     print(f"parameters    : {total:,} in all, {active:,} active per token")
 
     x = jax.random.normal(key_x, (args.tokens, cfg.d_model), jnp.float32).astype(cfg.dtype)
     cotangent = jax.random.normal(key_c, x.shape, jnp.float32)
     forward = jax.jit(moe, static_argnames="cfg")
-    (y, aux), fwd_first, fwd_median = _timed(lambda: forward(x, params, cfg=cfg),
-                                             repeats=args.repeats)
+    (y, aux), fwd_first, fwd_median = _timed(
+        lambda: forward(x, params, cfg=cfg), repeats=args.repeats
+    )
     print(f"shapes        : x {x.shape} {x.dtype} -> y {y.shape} {y.dtype}")
     print(f"aux losses    : aux_loss {float(aux.aux_loss):.6f}, z_loss {float(aux.z_loss):.6f}")
     _print_load(aux, cfg, args.tokens)
@@ -140,16 +160,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     step = _loss_fn(cfg, cotangent)
     ((_, _), grads), bwd_first, bwd_median = _timed(step, x, params, repeats=args.repeats)
     flops = 2 * args.tokens * (cfg.top_k + cfg.num_shared_experts) * 3 * cfg.d_model * cfg.d_ff
-    print(f"time forward  : {fwd_median * 1e3:.2f} ms median of {args.repeats} "
-          f"(first call with compile {fwd_first:.2f} s), {flops / fwd_median / 1e9:.1f} GFLOP/s "
-          "of expert GEMMs")
-    print(f"time fwd+bwd  : {bwd_median * 1e3:.2f} ms median of {args.repeats} "
-          f"(first call with compile {bwd_first:.2f} s)")
+    print(
+        f"time forward  : {fwd_median * 1e3:.2f} ms median of {args.repeats} "
+        f"(first call with compile {fwd_first:.2f} s), {flops / fwd_median / 1e9:.1f} GFLOP/s "
+        "of expert GEMMs"
+    )
+    print(
+        f"time fwd+bwd  : {bwd_median * 1e3:.2f} ms median of {args.repeats} "
+        f"(first call with compile {bwd_first:.2f} s)"
+    )
     again = step(x, params)[1]
-    same = all(bool(jnp.array_equal(a, b)) for a, b in
-               zip(jax.tree.leaves(grads), jax.tree.leaves(again), strict=True))
-    print(f"deterministic : {'yes' if same else 'NO'}: a second forward+backward gave "
-          f"{'the same' if same else 'different'} bits")
+    same = all(
+        bool(jnp.array_equal(a, b))
+        for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(again), strict=True)
+    )
+    print(
+        f"deterministic : {'yes' if same else 'NO'}: a second forward+backward gave "
+        f"{'the same' if same else 'different'} bits"
+    )
 
     ok = same
     if not args.no_reference and cfg.implementation != "reference":

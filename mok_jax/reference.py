@@ -25,7 +25,7 @@ def _argmax_top_k(values_te: Array, k: int) -> Array:
     """int32 [T, k]: the k largest entries per row, largest first, ties to the lower index."""
     chosen = []
     for _ in range(k):
-        best_t = jnp.argmax(values_te, axis=-1)   # argmax returns the first of equal maxima
+        best_t = jnp.argmax(values_te, axis=-1)  # argmax returns the first of equal maxima
         chosen.append(best_t)
         taken_te = jnp.arange(values_te.shape[-1]) == best_t[:, None]
         values_te = jnp.where(taken_te, -jnp.inf, values_te)
@@ -52,7 +52,7 @@ def _capacity_keep(experts_tk: Array, cfg: MoEConfig) -> Array | None:
     if capacity is None:
         return None
     onehot_ne = (experts_tk.reshape(-1)[:, None] == jnp.arange(cfg.num_experts)).astype(jnp.int32)
-    seen_ne = jnp.cumsum(onehot_ne, axis=0)          # rows of each expert up to and including n
+    seen_ne = jnp.cumsum(onehot_ne, axis=0)  # rows of each expert up to and including n
     rank_n = jnp.sum(seen_ne * onehot_ne, axis=1) - 1
     return (rank_n < capacity).reshape(experts_tk.shape)
 
@@ -62,8 +62,12 @@ def _swiglu(x_td: Array, w_gate: Array, w_up: Array, w_down: Array, cfg: MoEConf
     precision = lax.Precision.HIGHEST if dtype == jnp.float32 else None
 
     def mm(a, b):
-        return jnp.matmul(a.astype(dtype), b.astype(dtype), precision=precision,
-                          preferred_element_type=jnp.float32)
+        return jnp.matmul(
+            a.astype(dtype),
+            b.astype(dtype),
+            precision=precision,
+            preferred_element_type=jnp.float32,
+        )
 
     gate, up = mm(x_td, w_gate), mm(x_td, w_up)
     return mm(gate * jax.nn.sigmoid(gate) * up, w_down)
@@ -72,8 +76,9 @@ def _swiglu(x_td: Array, w_gate: Array, w_up: Array, w_down: Array, cfg: MoEConf
 def moe_reference(x_td: Array, params: MoEParams, cfg: MoEConfig) -> tuple[Array, MoEAux]:
     """The MoE layer on x [T, D] -> (y [T, D] in x's dtype, `MoEAux`). Unsharded."""
     num_tokens, num_experts = x_td.shape[0], cfg.num_experts
-    logits_te = jnp.dot(x_td.astype(jnp.float32), params.router.astype(jnp.float32),
-                        precision=lax.Precision.HIGHEST)
+    logits_te = jnp.dot(
+        x_td.astype(jnp.float32), params.router.astype(jnp.float32), precision=lax.Precision.HIGHEST
+    )
     if cfg.score_fn == "softmax":
         scores_te = jax.nn.softmax(logits_te, axis=-1)
     else:
@@ -85,8 +90,7 @@ def moe_reference(x_td: Array, params: MoEParams, cfg: MoEConfig) -> tuple[Array
     weights_tk = weights_tk * cfg.routed_scaling
 
     # Every expert on every token: out_etd[e, t] is expert e's output for token t.
-    out_etd = lax.map(lambda w: _swiglu(x_td, *w, cfg), (params.w_gate, params.w_up,
-                                                         params.w_down))
+    out_etd = lax.map(lambda w: _swiglu(x_td, *w, cfg), (params.w_gate, params.w_up, params.w_down))
     keep_tk = _capacity_keep(experts_tk, cfg)
     y_td = jnp.zeros((num_tokens, cfg.d_model), jnp.float32)
     for j in range(cfg.top_k):
@@ -95,18 +99,21 @@ def moe_reference(x_td: Array, params: MoEParams, cfg: MoEConfig) -> tuple[Array
             term_td = jnp.where(keep_tk[:, j, None], term_td, 0.0)
         y_td = y_td + term_td
     if cfg.num_shared_experts:
-        y_td = y_td + _swiglu(x_td, params.shared_w_gate, params.shared_w_up,
-                              params.shared_w_down, cfg)
+        y_td = y_td + _swiglu(
+            x_td, params.shared_w_gate, params.shared_w_up, params.shared_w_down, cfg
+        )
 
-    counts_e = jnp.sum(experts_tk[..., None] == jnp.arange(num_experts), axis=(0, 1),
-                       dtype=jnp.int32)
+    counts_e = jnp.sum(
+        experts_tk[..., None] == jnp.arange(num_experts), axis=(0, 1), dtype=jnp.int32
+    )
     probs_e = jnp.mean(scores_te / jnp.sum(scores_te, axis=1, keepdims=True), axis=0)
     fraction_e = counts_e.astype(jnp.float32) / (num_tokens * cfg.top_k)
     aux = MoEAux(
         aux_loss=cfg.aux_loss_coef * num_experts * jnp.sum(fraction_e * probs_e),
         z_loss=cfg.z_loss_coef * jnp.mean(jax.nn.logsumexp(logits_te, axis=1) ** 2),
         tokens_per_expert=counts_e,
-        dropped=(jnp.zeros((), jnp.int32) if keep_tk is None
-                 else jnp.sum(~keep_tk, dtype=jnp.int32)),
+        dropped=(
+            jnp.zeros((), jnp.int32) if keep_tk is None else jnp.sum(~keep_tk, dtype=jnp.int32)
+        ),
     )
     return y_td.astype(x_td.dtype), aux

@@ -21,9 +21,11 @@ from jax import Array, lax
 from mok_jax.config import MoEConfig
 
 
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["experts_tk", "weights_tk", "logits_te", "scores_te"],
-                   meta_fields=[])
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["experts_tk", "weights_tk", "logits_te", "scores_te"],
+    meta_fields=[],
+)
 @dataclasses.dataclass(frozen=True)
 class Routing:
     """Where each token goes. experts_tk int32 [T, K] (best first); weights_tk f32 [T, K];
@@ -37,8 +39,9 @@ class Routing:
 
 def router_logits(x_td: Array, router_de: Array) -> Array:
     """[T, D] x [D, E] -> f32 [T, E], at full f32 precision (no TF32) on every backend."""
-    return jnp.dot(x_td.astype(jnp.float32), router_de.astype(jnp.float32),
-                   precision=lax.Precision.HIGHEST)
+    return jnp.dot(
+        x_td.astype(jnp.float32), router_de.astype(jnp.float32), precision=lax.Precision.HIGHEST
+    )
 
 
 def router_scores(logits_te: Array, cfg: MoEConfig) -> Array:
@@ -96,13 +99,19 @@ def route(x_td: Array, router_de: Array, bias_e: Array, cfg: MoEConfig) -> Routi
     logits_te = router_logits(x_td, router_de)
     scores_te = router_scores(logits_te, cfg)
     experts_tk = select_experts(scores_te, bias_e, cfg)
-    return Routing(experts_tk=experts_tk, weights_tk=chosen_weights(scores_te, experts_tk, cfg),
-                   logits_te=logits_te, scores_te=scores_te)
+    return Routing(
+        experts_tk=experts_tk,
+        weights_tk=chosen_weights(scores_te, experts_tk, cfg),
+        logits_te=logits_te,
+        scores_te=scores_te,
+    )
 
 
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["aux_loss", "z_loss", "tokens_per_expert", "dropped"],
-                   meta_fields=[])
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["aux_loss", "z_loss", "tokens_per_expert", "dropped"],
+    meta_fields=[],
+)
 @dataclasses.dataclass(frozen=True)
 class MoEAux:
     """What an MoE layer reports besides its output (a pytree).
@@ -159,8 +168,10 @@ def update_router_bias(bias: Array, tokens_per_expert: Array, rate: float) -> Ar
       Array([-0.1,  0.1,  0.1,  0.1], dtype=float32)
     """
     if jnp.shape(bias) != jnp.shape(tokens_per_expert) or jnp.ndim(bias) != 1:
-        raise ValueError(f"bias {jnp.shape(bias)} and tokens_per_expert "
-                         f"{jnp.shape(tokens_per_expert)} must both have shape [E]")
+        raise ValueError(
+            f"bias {jnp.shape(bias)} and tokens_per_expert "
+            f"{jnp.shape(tokens_per_expert)} must both have shape [E]"
+        )
     load_e = jnp.asarray(tokens_per_expert).astype(jnp.float32)
     step_e = rate * jnp.sign(jnp.mean(load_e) - load_e)
     return (jnp.asarray(bias).astype(jnp.float32) + step_e).astype(jnp.result_type(bias))

@@ -21,7 +21,7 @@ from mok_jax.config import canonical_dtype
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Tolerance:
     rtol: float
-    atol: float   # times max |expected| of the tensor compared
+    atol: float  # times max |expected| of the tensor compared
 
     def scaled_atol(self, expected: jax.Array) -> float:
         scale = float(jnp.max(jnp.abs(jnp.asarray(expected, jnp.float32)), initial=0.0))

@@ -6,12 +6,16 @@ import ast
 import os
 import pathlib
 import subprocess
+import sys
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-LAYERS = {"pallas_kernels": set(), "mok_jax": {"pallas_kernels"},
-          "train": {"mok_jax", "pallas_kernels"}}
+LAYERS = {
+    "pallas_kernels": set(),
+    "mok_jax": {"pallas_kernels"},
+    "train": {"mok_jax", "pallas_kernels"},
+}
 
 
 def _imported_packages(path: pathlib.Path) -> set[str]:
@@ -41,15 +45,24 @@ def test_setup_stops_clearly_without_python_312(tmp_path):
     """A python3 that is 3.11 and a python3.12 shim that fails must not be taken."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    _fake_command(bin_dir, "python3", 'exit 1')              # "too old": fails the check
-    _fake_command(bin_dir, "python3.12", 'echo "pyenv: python3.12: command not found" >&2; exit 127')
+    _fake_command(bin_dir, "python3", "exit 1")  # "too old": fails the check
+    _fake_command(
+        bin_dir, "python3.12", 'echo "pyenv: python3.12: command not found" >&2; exit 127'
+    )
     for tool in ("bash", "dirname", "cat", "sha256sum", "cut", "grep", "sort", "rm"):
-        real = subprocess.run(["sh", "-c", f"command -v {tool}"], capture_output=True,
-                              text=True, check=True).stdout.strip()
+        real = subprocess.run(
+            ["sh", "-c", f"command -v {tool}"], capture_output=True, text=True, check=True
+        ).stdout.strip()
         (bin_dir / tool).symlink_to(real)
     env = {"PATH": str(bin_dir), "HOME": str(tmp_path), "MOK_JAX_VENV": str(tmp_path / "venv")}
-    result = subprocess.run([str(bin_dir / "bash"), "-c", f'source "{ROOT}/scripts/venv.sh"'],
-                            env=env, capture_output=True, text=True, timeout=60, check=False)
+    result = subprocess.run(
+        [str(bin_dir / "bash"), "-c", f'source "{ROOT}/scripts/venv.sh"'],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert result.returncode == 1
     assert "needs Python 3.12 or newer" in result.stderr and "pyenv install" in result.stderr
     assert not (tmp_path / "venv").exists()
@@ -60,12 +73,32 @@ def test_setup_reuses_an_up_to_date_environment(tmp_path):
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
     _fake_command(venv / "bin", "python", "exit 0")
-    digest = subprocess.run(["sha256sum", str(ROOT / "pyproject.toml")], capture_output=True,
-                            text=True, check=True).stdout.split()[0]
+    digest = subprocess.run(
+        ["sha256sum", str(ROOT / "pyproject.toml")], capture_output=True, text=True, check=True
+    ).stdout.split()[0]
     (venv / ".mok-jax-installed-test").write_text(digest + "\n")
     env = {**os.environ, "MOK_JAX_VENV": str(venv)}
-    result = subprocess.run(["bash", "-c", f'source "{ROOT}/scripts/venv.sh" test; echo "$MOK_PY"'],
-                            env=env, capture_output=True, text=True, timeout=60, check=False)
+    result = subprocess.run(
+        ["bash", "-c", f'source "{ROOT}/scripts/venv.sh" test; echo "$MOK_PY"'],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == str(venv / "bin" / "python")
     assert "installing" not in result.stderr
+
+
+@pytest.mark.parametrize("command", [["check"], ["format", "--check"]])
+def test_ruff_is_clean(command):
+    pytest.importorskip("ruff")
+    result = subprocess.run(
+        [sys.executable, "-m", "ruff", *command, str(ROOT)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr

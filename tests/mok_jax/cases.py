@@ -13,8 +13,7 @@ import jax.numpy as jnp
 from mok_jax import MoEAux, MoEConfig, MoEParams, init_params, moe, presets, scale_down
 from mok_jax.tolerances import tolerance
 
-SCALED_PRESETS = {name: cfg if name == "tiny" else scale_down(cfg)
-                  for name, cfg in presets.items()}
+SCALED_PRESETS = {name: cfg if name == "tiny" else scale_down(cfg) for name, cfg in presets.items()}
 
 
 def bf16_rounded(tree):
@@ -22,8 +21,9 @@ def bf16_rounded(tree):
     return jax.tree.map(lambda a: a.astype(jnp.bfloat16).astype(a.dtype), tree)
 
 
-def random_inputs(cfg: MoEConfig, num_tokens: int, seed: int = 0, *,
-                  x_dtype=None) -> tuple[jax.Array, MoEParams, jax.Array]:
+def random_inputs(
+    cfg: MoEConfig, num_tokens: int, seed: int = 0, *, x_dtype=None
+) -> tuple[jax.Array, MoEParams, jax.Array]:
     """(x [T, D], params, cotangent [T, D] f32), x and params rounded through bf16."""
     key_p, key_x, key_c = jax.random.split(jax.random.key(seed), 3)
     params = bf16_rounded(init_params(key_p, cfg))
@@ -42,7 +42,8 @@ def loss_and_outputs(x, params, cotangent, cfg: MoEConfig):
 def value_and_grads(x, params, cotangent, cfg: MoEConfig):
     """((loss, (y, aux)), (dx, dparams)) of `loss_and_outputs`."""
     return jax.value_and_grad(loss_and_outputs, argnums=(0, 1), has_aux=True)(
-        x, params, cotangent, cfg)
+        x, params, cotangent, cfg
+    )
 
 
 def assert_close(actual, expected, dtype) -> None:
@@ -51,16 +52,21 @@ def assert_close(actual, expected, dtype) -> None:
     chex.assert_trees_all_equal_structs(actual, expected)
     for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
         chex.assert_equal_shape([a, e])
-        chex.assert_trees_all_close(jnp.asarray(a, jnp.float32), jnp.asarray(e, jnp.float32),
-                                    rtol=tol.rtol, atol=tol.scaled_atol(e))
+        chex.assert_trees_all_close(
+            jnp.asarray(a, jnp.float32),
+            jnp.asarray(e, jnp.float32),
+            rtol=tol.rtol,
+            atol=tol.scaled_atol(e),
+        )
 
 
 def assert_aux_equal(actual: MoEAux, expected: MoEAux) -> None:
     """Counts must match exactly; the losses (always f32) to f32 tolerance."""
     chex.assert_trees_all_equal(actual.tokens_per_expert, expected.tokens_per_expert)
     chex.assert_trees_all_equal(actual.dropped, expected.dropped)
-    assert_close((actual.aux_loss, actual.z_loss), (expected.aux_loss, expected.z_loss),
-                 jnp.float32)
+    assert_close(
+        (actual.aux_loss, actual.z_loss), (expected.aux_loss, expected.z_loss), jnp.float32
+    )
 
 
 def with_impl(cfg: MoEConfig, implementation: str, **changes) -> MoEConfig:

@@ -15,8 +15,14 @@ import pytest
 from absl.testing import parameterized
 
 from mok_jax import MoEConfig, init_params, moe, presets
-from tests.mok_jax.cases import (SCALED_PRESETS, assert_aux_equal, assert_close, random_inputs,
-                                 value_and_grads, with_impl)
+from tests.mok_jax.cases import (
+    SCALED_PRESETS,
+    assert_aux_equal,
+    assert_close,
+    random_inputs,
+    value_and_grads,
+    with_impl,
+)
 
 TINY = presets["tiny"]
 
@@ -25,7 +31,7 @@ def scatter_combiners(hlo_text: str) -> list[str]:
     """The ops in the combiner region of every `stablehlo.scatter` of a lowered module."""
     combiners = []
     for match in re.finditer(r'"?stablehlo\.scatter"?\(', hlo_text):
-        region = hlo_text[match.end():].split("})", 1)[0]
+        region = hlo_text[match.end() :].split("})", 1)[0]
         combiners.append(" ".join(sorted(set(re.findall(r"stablehlo\.\w+", region)))))
     return combiners
 
@@ -38,8 +44,9 @@ class _LayerTest(chex.TestCase):
     def cfg(self, base: MoEConfig = TINY, **changes) -> MoEConfig:
         return with_impl(base, self.implementation, **changes)
 
-    def check_against_reference(self, cfg: MoEConfig, num_tokens: int = 40, seed: int = 0,
-                                params_change=None):
+    def check_against_reference(
+        self, cfg: MoEConfig, num_tokens: int = 40, seed: int = 0, params_change=None
+    ):
         """Values, aux and every gradient (one random cotangent) of `cfg` vs the reference."""
         x, params, cotangent = random_inputs(cfg, num_tokens, seed)
         if params_change is not None:
@@ -72,19 +79,21 @@ class _LayerTest(chex.TestCase):
     def test_expert_with_no_tokens(self):
         def starve_expert_3(params):
             return dataclasses.replace(params, router_bias=params.router_bias.at[3].set(-10.0))
+
         aux, grads = self.check_against_reference(self.cfg(), params_change=starve_expert_3)
         self.assertEqual(int(aux.tokens_per_expert[3]), 0)
         for name in ("w_gate", "w_up", "w_down"):
-            chex.assert_trees_all_equal(getattr(grads[1], name)[3],
-                                        jnp.zeros_like(getattr(grads[1], name)[3]))
+            chex.assert_trees_all_equal(
+                getattr(grads[1], name)[3], jnp.zeros_like(getattr(grads[1], name)[3])
+            )
 
     def test_all_tokens_to_one_expert(self):
         def favour_expert_5(params):
             return dataclasses.replace(params, router_bias=params.router_bias.at[5].set(10.0))
+
         for top_k in (1, 3):
             cfg = self.cfg(top_k=top_k)
-            aux, _ = self.check_against_reference(cfg, num_tokens=33,
-                                                  params_change=favour_expert_5)
+            aux, _ = self.check_against_reference(cfg, num_tokens=33, params_change=favour_expert_5)
             self.assertEqual(int(aux.tokens_per_expert[5]), 33)
 
     @parameterized.parameters(1, 8)
@@ -98,10 +107,11 @@ class _LayerTest(chex.TestCase):
         self.check_against_reference(self.cfg(), num_tokens=num_tokens)
 
     def test_capacity_drops_like_switch(self):
-        cfg = self.cfg(SCALED_PRESETS["switch"], num_experts=8)   # top-1, capacity factor 1.25
+        cfg = self.cfg(SCALED_PRESETS["switch"], num_experts=8)  # top-1, capacity factor 1.25
 
         def crowd_expert_0(params):
             return dataclasses.replace(params, router_bias=params.router_bias.at[0].set(0.05))
+
         aux, _ = self.check_against_reference(cfg, num_tokens=64, params_change=crowd_expert_0)
         capacity = cfg.capacity(64)
         self.assertEqual(capacity, 10)
@@ -118,8 +128,9 @@ class _LayerTest(chex.TestCase):
         chex.assert_trees_all_equal(y.reshape(y_flat.shape), y_flat)
         chex.assert_trees_all_equal(aux, aux_flat)
 
-    @parameterized.parameters(("float32", "bfloat16"), ("bfloat16", "float32"),
-                              ("float16", "float32"))
+    @parameterized.parameters(
+        ("float32", "bfloat16"), ("bfloat16", "float32"), ("float16", "float32")
+    )
     def test_output_has_input_dtype(self, x_dtype, compute_dtype):
         cfg = self.cfg(dtype=compute_dtype)
         x, params, _ = random_inputs(cfg, 16, x_dtype=x_dtype)
@@ -163,11 +174,16 @@ class _LayerTest(chex.TestCase):
     def test_no_scatter_add_when_lowered_for_cuda(self, preset):
         cfg = self.cfg(SCALED_PRESETS[preset])
         x, params, cotangent = random_inputs(cfg, 32)
-        lowered = jax.jit(functools.partial(value_and_grads, cfg=cfg)).trace(
-            x, params, cotangent).lower(lowering_platforms=("cuda",))
+        lowered = (
+            jax.jit(functools.partial(value_and_grads, cfg=cfg))
+            .trace(x, params, cotangent)
+            .lower(lowering_platforms=("cuda",))
+        )
         combiners = scatter_combiners(lowered.as_text())
-        self.assertFalse([c for c in combiners if "add" in c],
-                         f"scatter-adds on the forward/backward path: {combiners}")
+        self.assertFalse(
+            [c for c in combiners if "add" in c],
+            f"scatter-adds on the forward/backward path: {combiners}",
+        )
 
 
 class XlaLayerTest(_LayerTest):
@@ -179,8 +195,11 @@ del _LayerTest  # the base class holds no implementation of its own
 
 def test_scatter_combiners_finds_an_add():
     """The lowering check above can fail: a gather's autodiff gradient is a scatter-add."""
-    lowered = jax.jit(jax.grad(lambda a: a[jnp.array([0, 0, 1])].sum())).trace(
-        jnp.ones(4)).lower(lowering_platforms=("cuda",))
+    lowered = (
+        jax.jit(jax.grad(lambda a: a[jnp.array([0, 0, 1])].sum()))
+        .trace(jnp.ones(4))
+        .lower(lowering_platforms=("cuda",))
+    )
     assert any("add" in c for c in scatter_combiners(lowered.as_text()))
 
 
@@ -188,19 +207,25 @@ class TestBadInput:
     cfg = TINY
     params = init_params(jax.random.key(0), TINY)
 
-    @pytest.mark.parametrize("x, message", [
-        (jnp.ones((4, 64), jnp.int32), "floating dtype"),
-        (jnp.ones((4, 63)), "d_model=64"),
-        (jnp.ones(()), "d_model=64"),
-    ])
+    @pytest.mark.parametrize(
+        "x, message",
+        [
+            (jnp.ones((4, 64), jnp.int32), "floating dtype"),
+            (jnp.ones((4, 63)), "d_model=64"),
+            (jnp.ones(()), "d_model=64"),
+        ],
+    )
     def test_bad_x(self, x, message):
         with pytest.raises(ValueError, match=message):
             moe(x, self.params, self.cfg)
 
     def test_mismatched_params(self):
         bad = dataclasses.replace(self.params, w_up=jnp.ones((8, 64, 64)))
-        with pytest.raises(ValueError, match=r"w_up has shape \(8, 64, 64\), expected "
-                                             r"\(8, 64, 128\)"):
+        with pytest.raises(
+            ValueError,
+            match=r"w_up has shape \(8, 64, 64\), expected "
+            r"\(8, 64, 128\)",
+        ):
             moe(jnp.ones((4, 64)), bad, self.cfg)
 
     def test_missing_shared_experts(self):
@@ -217,3 +242,28 @@ class TestBadInput:
     def test_config_must_be_a_config(self):
         with pytest.raises(ValueError, match="cfg must be a MoEConfig"):
             moe(jnp.ones((4, 64)), self.params, {"d_model": 64})
+
+
+# Real layer sizes on the GPU (skipped without one): the deterministic formulation must hold
+# where XLA's GPU scatters and reductions would otherwise differ from run to run.
+GPU_LAYERS = {
+    "qwen3_30b_a3b": (presets["qwen3_30b_a3b"], 4096),
+    "mixtral_8x7b": (presets["mixtral_8x7b"], 2048),
+    "deepseek_v3_e32": (dataclasses.replace(presets["deepseek_v3"], num_experts=32), 2048),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(GPU_LAYERS))
+def test_gpu_real_size_repeatable_and_matches_reference(name):
+    cfg, num_tokens = GPU_LAYERS[name]
+    x, params, cotangent = random_inputs(cfg, num_tokens, seed=11)
+    first = value_and_grads(x, params, cotangent, cfg=cfg)
+    again = value_and_grads(x, params, cotangent, cfg=cfg)
+    chex.assert_trees_all_equal(first, again)
+    reference = value_and_grads(x, params, cotangent, cfg=with_impl(cfg, "reference"))
+    (_, (y, aux)), grads = first
+    (_, (y_ref, aux_ref)), grads_ref = reference
+    assert_close(y, y_ref, cfg.dtype)
+    assert_aux_equal(aux, aux_ref)
+    assert_close(grads, grads_ref, cfg.dtype)

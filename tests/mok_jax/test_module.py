@@ -61,6 +61,7 @@ def test_optimizer_step_and_bias_update():
         def loss(model):
             y, aux = model(x)
             return jnp.mean(y.astype(jnp.float32) ** 2) + aux.loss, aux
+
         (value, aux), grads = nnx.value_and_grad(loss, has_aux=True)(model)
         optimizer.update(model, grads)
         model.update_router_bias(aux.tokens_per_expert, 1e-3)

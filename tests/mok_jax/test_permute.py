@@ -49,7 +49,7 @@ def test_rows_to_slots(case):
 
 
 def test_sum_slots_is_left_to_right_in_f32():
-    x = jnp.array([[[1.0], [2.0**-9], [2.0**-9]]], jnp.bfloat16)   # below bf16 resolution at 1
+    x = jnp.array([[[1.0], [2.0**-9], [2.0**-9]]], jnp.bfloat16)  # below bf16 resolution at 1
     out = sum_slots(x)
     chex.assert_type(out, jnp.float32)
     np.testing.assert_array_equal(out, [[1.0 + 2.0**-8]])

@@ -17,8 +17,9 @@ def routings(draw):
     num_experts = draw(st.integers(1, 9))
     num_tokens = draw(st.integers(1, 12))
     top_k = draw(st.integers(1, 4))
-    experts = draw(hnp.arrays(np.int32, (num_tokens, top_k),
-                              elements=st.integers(0, num_experts - 1)))
+    experts = draw(
+        hnp.arrays(np.int32, (num_tokens, top_k), elements=st.integers(0, num_experts - 1))
+    )
     capacity = draw(st.none() | st.integers(0, num_tokens * top_k))
     return experts, num_experts, capacity
 

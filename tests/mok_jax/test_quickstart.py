@@ -10,16 +10,26 @@ import pytest
 from mok_jax.quickstart import main
 
 
-@pytest.mark.parametrize("argv", [
-    ["--tokens", "64", "--repeats", "1"],
-    ["--preset", "deepseek_v3", "--tokens", "32", "--repeats", "1", "--dtype", "float32"],
-    ["--preset", "switch", "--tokens", "32", "--repeats", "1", "--no-reference"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--tokens", "64", "--repeats", "1"],
+        ["--preset", "deepseek_v3", "--tokens", "32", "--repeats", "1", "--dtype", "float32"],
+        ["--preset", "switch", "--tokens", "32", "--repeats", "1", "--no-reference"],
+    ],
+)
 def test_quickstart_reports(argv, capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
-    for line in ("config", "shapes", "aux losses", "expert load", "time forward", "time fwd+bwd",
-                 "deterministic : yes"):
+    for line in (
+        "config",
+        "shapes",
+        "aux losses",
+        "expert load",
+        "time forward",
+        "time fwd+bwd",
+        "deterministic : yes",
+    ):
         assert line in out, out
     if "--no-reference" in argv:
         assert "vs reference" not in out
@@ -34,7 +44,12 @@ def test_quickstart_rejects_bad_arguments(capsys):
 
 
 def test_python_dash_m():
-    result = subprocess.run([sys.executable, "-m", "mok_jax", "--tokens", "16", "--repeats", "1"],
-                            capture_output=True, text=True, timeout=300, check=False)
+    result = subprocess.run(
+        [sys.executable, "-m", "mok_jax", "--tokens", "16", "--repeats", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr
     assert "dL/dw_down" in result.stdout

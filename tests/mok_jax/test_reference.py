@@ -22,6 +22,7 @@ def _ranked(values: np.ndarray) -> list[int]:
 
 def numpy_moe(x: np.ndarray, p: dict[str, np.ndarray], cfg: MoEConfig):
     """(y [T, D] float64, tokens_per_expert, dropped, aux_loss, z_loss), one token at a time."""
+
     def rounded(a):
         return np.asarray(a).astype(cfg.dtype).astype(np.float64)
 
@@ -46,11 +47,12 @@ def numpy_moe(x: np.ndarray, p: dict[str, np.ndarray], cfg: MoEConfig):
         candidates = _ranked(biased)
         if cfg.num_groups:
             size = e_count // cfg.num_groups
-            group_scores = [sum(sorted(biased[g * size:(g + 1) * size])[-2:])
-                            for g in range(cfg.num_groups)]
-            kept = _ranked(np.array(group_scores))[:cfg.topk_groups]
+            group_scores = [
+                sum(sorted(biased[g * size : (g + 1) * size])[-2:]) for g in range(cfg.num_groups)
+            ]
+            kept = _ranked(np.array(group_scores))[: cfg.topk_groups]
             candidates = [e for e in candidates if e // size in kept]
-        chosen = candidates[:cfg.top_k]
+        chosen = candidates[: cfg.top_k]
         weights = scores[t, chosen]
         if cfg.norm_topk_prob:
             weights = weights / weights.sum()
@@ -74,11 +76,12 @@ def numpy_moe(x: np.ndarray, p: dict[str, np.ndarray], cfg: MoEConfig):
 def test_reference_follows_the_semantics(preset, dtype):
     cfg = with_impl(SCALED_PRESETS[preset], "reference", dtype=dtype)
     x, params, _ = random_inputs(cfg, 24, seed=7, x_dtype="float32")
-    if preset == "switch":      # make the capacity bite: crowd expert 0
+    if preset == "switch":  # make the capacity bite: crowd expert 0
         params = dataclasses.replace(params, router_bias=params.router_bias.at[0].set(0.1))
     y, aux = moe(x, params, cfg)
-    as_numpy = {k: None if v is None else np.asarray(v, np.float64)
-                for k, v in vars(params).items()}
+    as_numpy = {
+        k: None if v is None else np.asarray(v, np.float64) for k, v in vars(params).items()
+    }
     y_np, load, dropped, aux_loss, z_loss = numpy_moe(np.asarray(x), as_numpy, cfg)
     np.testing.assert_array_equal(aux.tokens_per_expert, load)
     assert int(aux.dropped) == dropped
@@ -86,5 +89,4 @@ def test_reference_follows_the_semantics(preset, dtype):
         assert dropped > 0
     # y is rounded to x's dtype (f32) once; the loop stays in f64 throughout.
     assert_close(y, y_np.astype(np.float32), cfg.dtype)
-    assert_close((aux.aux_loss, aux.z_loss), (np.float32(aux_loss), np.float32(z_loss)),
-                 "float32")
+    assert_close((aux.aux_loss, aux.z_loss), (np.float32(aux_loss), np.float32(z_loss)), "float32")

@@ -14,8 +14,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mok_jax import MoEConfig, update_router_bias
-from mok_jax.routing import (chosen_weights, load_balancing_loss, route, router_z_loss,
-                             select_experts, top_k_indices)
+from mok_jax.routing import (
+    chosen_weights,
+    load_balancing_loss,
+    route,
+    router_z_loss,
+    select_experts,
+    top_k_indices,
+)
 
 
 def ranked(row: np.ndarray) -> list[int]:
@@ -48,10 +54,17 @@ def test_group_limited_selection(scores, data):
     topk_groups = data.draw(st.integers(1, num_groups))
     per_group = num_experts // num_groups
     top_k = data.draw(st.integers(1, topk_groups * per_group))
-    bias = data.draw(hnp.arrays(np.float32, (num_experts,),
-                                elements=st.sampled_from([0.0, 0.25, -0.25])))
-    cfg = MoEConfig(d_model=8, d_ff=8, num_experts=num_experts, top_k=top_k,
-                    num_groups=num_groups, topk_groups=topk_groups)
+    bias = data.draw(
+        hnp.arrays(np.float32, (num_experts,), elements=st.sampled_from([0.0, 0.25, -0.25]))
+    )
+    cfg = MoEConfig(
+        d_model=8,
+        d_ff=8,
+        num_experts=num_experts,
+        top_k=top_k,
+        num_groups=num_groups,
+        topk_groups=topk_groups,
+    )
     got = np.asarray(select_experts(jnp.asarray(scores), jnp.asarray(bias), cfg))
     for t in range(num_tokens):
         biased = scores[t] + bias
@@ -68,14 +81,20 @@ def test_weights_are_unbiased_scores(scores, data):
     top_k = data.draw(st.integers(1, num_experts))
     norm = data.draw(st.booleans())
     scaling = data.draw(st.sampled_from([1.0, 2.5]))
-    cfg = MoEConfig(d_model=8, d_ff=8, num_experts=num_experts, top_k=top_k,
-                    norm_topk_prob=norm, routed_scaling=scaling)
+    cfg = MoEConfig(
+        d_model=8,
+        d_ff=8,
+        num_experts=num_experts,
+        top_k=top_k,
+        norm_topk_prob=norm,
+        routed_scaling=scaling,
+    )
     bias = np.linspace(-0.3, 0.3, num_experts, dtype=np.float32)
     experts = select_experts(jnp.asarray(scores), jnp.asarray(bias), cfg)
     weights = np.asarray(chosen_weights(jnp.asarray(scores), experts, cfg))
     expected = np.take_along_axis(scores, np.asarray(experts), axis=1)
     if norm:
-        with np.errstate(invalid="ignore"):     # all-zero rows give nan in both
+        with np.errstate(invalid="ignore"):  # all-zero rows give nan in both
             expected = expected / expected.sum(axis=1, keepdims=True)
     np.testing.assert_allclose(weights, expected * scaling, rtol=1e-6)
 
@@ -95,8 +114,10 @@ def test_softmax_and_sigmoid_scores():
     x = jax.random.normal(jax.random.key(0), (5, 8))
     router = jax.random.normal(jax.random.key(1), (8, 6))
     logits = x @ router
-    for score_fn, expected in (("softmax", jax.nn.softmax(logits)),
-                               ("sigmoid", jax.nn.sigmoid(logits))):
+    for score_fn, expected in (
+        ("softmax", jax.nn.softmax(logits)),
+        ("sigmoid", jax.nn.sigmoid(logits)),
+    ):
         cfg = MoEConfig(d_model=8, d_ff=8, num_experts=6, top_k=2, score_fn=score_fn)
         routing = route(x, router, jnp.zeros(6), cfg)
         chex.assert_trees_all_close(routing.scores_te, expected, rtol=1e-5)
@@ -111,8 +132,7 @@ def test_bias_changes_the_choice_not_the_weights():
 
 
 def test_losses():
-    cfg = MoEConfig(d_model=8, d_ff=8, num_experts=2, top_k=1, aux_loss_coef=0.5,
-                    z_loss_coef=0.1)
+    cfg = MoEConfig(d_model=8, d_ff=8, num_experts=2, top_k=1, aux_loss_coef=0.5, z_loss_coef=0.1)
     scores = jnp.array([[0.75, 0.25], [0.5, 0.5]])
     counts = jnp.array([2, 0])
     # f = (1, 0); P = (0.625, 0.375) -> 0.5 * 2 * 0.625
