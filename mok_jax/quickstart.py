@@ -123,9 +123,12 @@ def _print_errors(grads, grads_ref, y, y_ref, cfg: MoEConfig) -> bool:
     return ok
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = _parse(argv)
-    cfg = _config(args)
+def _rate(flops: float, seconds: float) -> str:
+    rate = flops / seconds
+    return f"{rate / 1e12:.1f} TFLOP/s" if rate >= 1e12 else f"{rate / 1e9:.2f} GFLOP/s"
+
+
+def _print_header(args: argparse.Namespace, cfg: MoEConfig, params: MoEParams) -> None:
     device = jax.devices()[0]
     print(
         f"mok-jax quickstart on {device.platform.upper()} ({device.device_kind}), "
@@ -133,13 +136,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(
         f"config        : {args.preset}{' (scaled down)' if _scaled(args) else ''}: "
-        f"D={cfg.d_model} "
-        f"F={cfg.d_ff} E={cfg.num_experts} K={cfg.top_k} S={cfg.num_shared_experts} "
-        f"{cfg.score_fn} groups={cfg.num_groups}/{cfg.topk_groups} "
+        f"D={cfg.d_model} F={cfg.d_ff} E={cfg.num_experts} K={cfg.top_k} "
+        f"S={cfg.num_shared_experts} {cfg.score_fn} groups={cfg.num_groups}/{cfg.topk_groups} "
         f"capacity={cfg.capacity_factor} dtype={cfg.dtype.name} impl={cfg.implementation}"
     )
-    key_p, key_x, key_c = jax.random.split(jax.random.key(args.seed), 3)
-    params = init_params(key_p, cfg)
     total = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params))
     active = (
         cfg.d_model * cfg.num_experts
@@ -147,27 +147,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(f"parameters    : {total:,} in all, {active:,} active per token")
 
+
+def _run(args: argparse.Namespace, cfg: MoEConfig) -> bool:
+    key_p, key_x, key_c = jax.random.split(jax.random.key(args.seed), 3)
+    params = init_params(key_p, cfg)
+    _print_header(args, cfg, params)
     x = jax.random.normal(key_x, (args.tokens, cfg.d_model), jnp.float32).astype(cfg.dtype)
     cotangent = jax.random.normal(key_c, x.shape, jnp.float32)
+    # FLOPs of the expert GEMMs (3 per SwiGLU) of the forward; the backward does twice as many.
+    flops = 2 * args.tokens * (cfg.top_k + cfg.num_shared_experts) * 3 * cfg.d_model * cfg.d_ff
+
     forward = jax.jit(moe, static_argnames="cfg")
-    (y, aux), fwd_first, fwd_median = _timed(
-        lambda: forward(x, params, cfg=cfg), repeats=args.repeats
-    )
+    (y, aux), first, median = _timed(lambda: forward(x, params, cfg=cfg), repeats=args.repeats)
     print(f"shapes        : x {x.shape} {x.dtype} -> y {y.shape} {y.dtype}")
     print(f"aux losses    : aux_loss {float(aux.aux_loss):.6f}, z_loss {float(aux.z_loss):.6f}")
     _print_load(aux, cfg, args.tokens)
+    print(
+        f"time forward  : {median * 1e3:.2f} ms median of {args.repeats} (first call with "
+        f"compile {first:.2f} s), {_rate(flops, median)} of expert GEMMs"
+    )
 
     step = _loss_fn(cfg, cotangent)
-    ((_, _), grads), bwd_first, bwd_median = _timed(step, x, params, repeats=args.repeats)
-    flops = 2 * args.tokens * (cfg.top_k + cfg.num_shared_experts) * 3 * cfg.d_model * cfg.d_ff
+    ((_, _), grads), first, median = _timed(step, x, params, repeats=args.repeats)
     print(
-        f"time forward  : {fwd_median * 1e3:.2f} ms median of {args.repeats} "
-        f"(first call with compile {fwd_first:.2f} s), {flops / fwd_median / 1e9:.1f} GFLOP/s "
-        "of expert GEMMs"
-    )
-    print(
-        f"time fwd+bwd  : {bwd_median * 1e3:.2f} ms median of {args.repeats} "
-        f"(first call with compile {bwd_first:.2f} s)"
+        f"time fwd+bwd  : {median * 1e3:.2f} ms median of {args.repeats} (first call with "
+        f"compile {first:.2f} s), {_rate(3 * flops, median)} of expert GEMMs"
     )
     again = step(x, params)[1]
     same = all(
@@ -178,13 +182,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"deterministic : {'yes' if same else 'NO'}: a second forward+backward gave "
         f"{'the same' if same else 'different'} bits"
     )
+    if args.no_reference or cfg.implementation == "reference":
+        return same
+    ref_cfg = dataclasses.replace(cfg, implementation="reference")
+    (_, (y_ref, _)), grads_ref = _loss_fn(ref_cfg, cotangent)(x, params)
+    return _print_errors(grads, grads_ref, y, y_ref, cfg) and same
 
-    ok = same
-    if not args.no_reference and cfg.implementation != "reference":
-        ref_cfg = dataclasses.replace(cfg, implementation="reference")
-        (_, (y_ref, _)), grads_ref = _loss_fn(ref_cfg, cotangent)(x, params)
-        ok &= _print_errors(grads, grads_ref, y, y_ref, cfg)
-    return 0 if ok else 1
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the quickstart; returns 0 when every check passed, 1 when one failed, 2 when the
+    device ran out of memory."""
+    args = _parse(argv)
+    cfg = _config(args)
+    try:
+        return 0 if _run(args, cfg) else 1
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        print(
+            f"out of device memory at --tokens {args.tokens}: {str(e).splitlines()[0][:200]}\n"
+            "The xla implementation's backward goes through jax.lax.ragged_dot, whose transpose "
+            "XLA expands to every expert on every row on GPU. Try fewer --tokens; --no-reference "
+            "also skips the reference's E-fold work.",
+            file=sys.stderr,
+        )
+        return 2
 
 
 if __name__ == "__main__":
