@@ -1,6 +1,7 @@
 """mok-jax: deterministic, dropless Mixture-of-Experts layers for JAX."""
 
 from mok_jax.config import IMPLEMENTATIONS, PRESETS, Implementation, MoEConfig, ScoreFn, scale_down
+from mok_jax.determinism import deterministic_compiler_options
 from mok_jax.hf import from_hf
 from mok_jax.layer import moe
 from mok_jax.module import MoE, RouterBias
@@ -18,6 +19,7 @@ __all__ = [
     "MoEParams",
     "RouterBias",
     "ScoreFn",
+    "deterministic_compiler_options",
     "from_hf",
     "init_params",
     "moe",

@@ -43,8 +43,14 @@ _DTYPE_ALIASES = {
 }
 
 
+# The compute dtypes the layer implements (f32 accumulation throughout).
+COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
+
+
 def canonical_dtype(dtype: typing.Any) -> np.dtype:
     """A floating dtype from a jnp/np dtype, a scalar type or a name ('bfloat16', 'bf16', ...)."""
+    if dtype is None:
+        raise ValueError("dtype=None is not a dtype: name one, e.g. 'bfloat16' or 'float32'")
     if isinstance(dtype, str):
         dtype = _DTYPE_ALIASES.get(dtype, dtype)
     try:
@@ -53,6 +59,14 @@ def canonical_dtype(dtype: typing.Any) -> np.dtype:
         raise ValueError(f"{dtype=} is not a dtype") from e
     if not jnp.issubdtype(dt, jnp.floating):
         raise ValueError(f"{dtype=} must be a floating dtype such as bfloat16 or float32")
+    return dt
+
+
+def compute_dtype(dtype: typing.Any) -> np.dtype:
+    """`canonical_dtype`, restricted to the dtypes the expert GEMMs compute in."""
+    dt = canonical_dtype(dtype)
+    if dt.name not in COMPUTE_DTYPES:
+        raise ValueError(f"dtype={dt.name} is not a compute dtype; use one of {COMPUTE_DTYPES}")
     return dt
 
 
@@ -96,8 +110,9 @@ class MoEConfig:
       z_loss_coef: coefficient of the router z-loss (0 turns it off).
       capacity_factor: None for dropless; else each expert keeps at most
         ceil(capacity_factor * T * K / E) rows, Switch style, and the rest are dropped and counted.
-      dtype: the compute dtype of the expert GEMMs (inputs cast to it, f32 accumulation). A
-        jnp/np dtype or its name ('bfloat16', 'bf16', 'float32', ...); stored as a numpy dtype.
+      dtype: the compute dtype of the expert GEMMs (inputs cast to it, f32 accumulation):
+        bfloat16, float16 or float32, as a jnp/np dtype or a name ('bfloat16', 'bf16', ...);
+        stored as a numpy dtype.
       implementation: which implementation computes the layer (see `Implementation`).
     """
 
@@ -143,7 +158,7 @@ class MoEConfig:
             raise ValueError(
                 f"implementation={self.implementation!r} must be one of {IMPLEMENTATIONS}"
             )
-        put("dtype", canonical_dtype(self.dtype))
+        put("dtype", compute_dtype(self.dtype))
 
         top_k, num_experts = self.top_k, self.num_experts
         if top_k > num_experts:

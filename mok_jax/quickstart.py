@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from mok_jax.config import IMPLEMENTATIONS, PRESETS, MoEConfig, scale_down
+from mok_jax.determinism import deterministic_compiler_options
 from mok_jax.layer import moe
 from mok_jax.params import MoEParams, init_params
 from mok_jax.routing import MoEAux
@@ -54,6 +55,10 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.tokens < 1 or args.repeats < 1:
         parser.error(f"--tokens={args.tokens} and --repeats={args.repeats} must be >= 1")
+    try:
+        _config(args)
+    except ValueError as e:
+        parser.error(str(e))
     return args
 
 
@@ -89,7 +94,10 @@ def _loss_fn(cfg: MoEConfig, cotangent: jax.Array) -> Callable:
         y, aux = moe(x, params, cfg)
         return jnp.vdot(y.astype(jnp.float32), cotangent) + aux.loss, (y, aux)
 
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+    return jax.jit(
+        jax.value_and_grad(loss, argnums=(0, 1), has_aux=True),
+        compiler_options=deterministic_compiler_options(),
+    )
 
 
 def _print_load(aux: MoEAux, cfg: MoEConfig, num_tokens: int) -> None:
@@ -157,7 +165,7 @@ def _run(args: argparse.Namespace, cfg: MoEConfig) -> bool:
     # FLOPs of the expert GEMMs (3 per SwiGLU) of the forward; the backward does twice as many.
     flops = 2 * args.tokens * (cfg.top_k + cfg.num_shared_experts) * 3 * cfg.d_model * cfg.d_ff
 
-    forward = jax.jit(moe, static_argnames="cfg")
+    forward = jax.jit(moe, static_argnames="cfg", compiler_options=deterministic_compiler_options())
     (y, aux), first, median = _timed(lambda: forward(x, params, cfg=cfg), repeats=args.repeats)
     print(f"shapes        : x {x.shape} {x.dtype} -> y {y.shape} {y.dtype}")
     print(f"aux losses    : aux_loss {float(aux.aux_loss):.6f}, z_loss {float(aux.z_loss):.6f}")

@@ -3,7 +3,9 @@ tested against it, so it shares no routing, planning or combine code with them.
 
 It runs every expert on every token (`lax.map` over experts: E times the FLOPs of the real
 layer), picks experts by repeated argmax, counts capacity ranks with a cumulative sum and reads
-each token's expert outputs with a gather. It is meant for small shapes on one device.
+each token's expert outputs with a gather. It is meant for small shapes on one device, and it
+is an oracle, not a training path: the gradients of its gathers are scatter-adds, so on GPU its
+backward is not bitwise repeatable (the determinism tests hold the other implementations).
 
 The one thing it must share with the others bit for bit is the router logits (the same f32
 product at full precision): expert selection is discontinuous, so logits that differ in the
@@ -85,8 +87,10 @@ def moe_reference(x_td: Array, params: MoEParams, cfg: MoEConfig) -> tuple[Array
         scores_te = jax.nn.sigmoid(logits_te)
     experts_tk = _select(scores_te, params.router_bias, cfg)
     weights_tk = jnp.take_along_axis(scores_te, experts_tk, axis=1)
-    if cfg.norm_topk_prob:
-        weights_tk = weights_tk / jnp.sum(weights_tk, axis=1, keepdims=True)
+    if cfg.norm_topk_prob:  # chosen sigmoid scores that all underflowed to 0 stay 0
+        total_t1 = jnp.sum(weights_tk, axis=1, keepdims=True)
+        safe_t1 = jnp.where(total_t1 > 0, total_t1, 1.0)
+        weights_tk = jnp.where(total_t1 > 0, weights_tk / safe_t1, 0.0)
     weights_tk = weights_tk * cfg.routed_scaling
 
     # Every expert on every token: out_etd[e, t] is expert e's output for token t.

@@ -6,7 +6,8 @@ Semantics (the same in every implementation):
      biased scores and only the best `topk_groups` groups stay eligible. Ties go to the lower
      index, for groups and for experts; slot j holds the j-th best expert.
   3. Weights are the unbiased scores of the chosen experts, divided by their sum when
-     `norm_topk_prob`, then times `routed_scaling`.
+     `norm_topk_prob` (a sum that underflowed to 0 leaves them 0), then times
+     `routed_scaling`.
 """
 
 from __future__ import annotations
@@ -90,8 +91,17 @@ def chosen_weights(scores_te: Array, experts_tk: Array, cfg: MoEConfig) -> Array
     onehot_tke = experts_tk[..., None] == jnp.arange(cfg.num_experts)
     weights_tk = jnp.sum(jnp.where(onehot_tke, scores_te[:, None, :], 0.0), axis=-1)
     if cfg.norm_topk_prob:
-        weights_tk = weights_tk / jnp.sum(weights_tk, axis=-1, keepdims=True)
+        weights_tk = normalized(weights_tk)
     return weights_tk * cfg.routed_scaling
+
+
+def normalized(weights_tk: Array) -> Array:
+    """[T, K]: each token's weights divided by their sum; a token whose chosen sigmoid scores
+    all underflowed to 0 keeps weights 0 (not 0/0 = NaN), with a finite gradient."""
+    total_t1 = jnp.sum(weights_tk, axis=-1, keepdims=True)
+    positive_t1 = total_t1 > 0
+    # Dividing by 1 where the sum is 0 keeps NaN out of the untaken branch's gradient too.
+    return jnp.where(positive_t1, weights_tk / jnp.where(positive_t1, total_t1, 1.0), 0.0)
 
 
 def route(x_td: Array, router_de: Array, bias_e: Array, cfg: MoEConfig) -> Routing:

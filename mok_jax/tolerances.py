@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mok_jax.config import canonical_dtype
+from mok_jax.config import canonical_dtype, compute_dtype
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -38,9 +38,13 @@ TOLERANCES: dict[np.dtype, Tolerance] = {
 }
 
 
-def tolerance(dtype: jax.typing.DTypeLike) -> Tolerance:
-    """The agreement bound for a compute dtype."""
-    return TOLERANCES[canonical_dtype(dtype)]
+def tolerance(dtype: jax.typing.DTypeLike, stored: jax.typing.DTypeLike = None) -> Tolerance:
+    """The agreement bound for values computed in `dtype` and, if given, stored in `stored`
+    (a bf16 output of an f32 computation is only as close as bf16 rounding): the looser one."""
+    bound = TOLERANCES[compute_dtype(dtype)]
+    if stored is not None and canonical_dtype(stored) in TOLERANCES:
+        bound = max(bound, TOLERANCES[canonical_dtype(stored)], key=lambda t: t.atol)
+    return bound
 
 
 def relative_error(actual: jax.Array, expected: jax.Array) -> float:

@@ -3,11 +3,17 @@
 # project's virtual environment, then sets MOK_PY to its python.
 #   $1: the extras to install, e.g. "test" (empty for none).
 # MOK_JAX_VENV overrides the location (default: .venv in the repository).
+# On a machine where nvidia-smi lists a GPU the "gpu" extra (jax's CUDA 13 plugin) is added, so
+# the project runs on the GPU; MOK_JAX_GPU=0 keeps it on the CPU.
 set -euo pipefail
 
 mok_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 mok_venv="${MOK_JAX_VENV:-$mok_root/.venv}"
 mok_extras="${1:-}"
+if [ "${MOK_JAX_GPU:-auto}" != 0 ] && command -v nvidia-smi >/dev/null 2>&1 \
+    && nvidia-smi -L >/dev/null 2>&1; then
+  mok_extras="${mok_extras:+$mok_extras,}gpu"
+fi
 
 # Prints a command that runs Python >= 3.12, or nothing. Each candidate is actually run: a pyenv
 # shim for a version that is installed but not selected exists on PATH and fails when called.

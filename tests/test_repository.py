@@ -77,7 +77,7 @@ def test_setup_reuses_an_up_to_date_environment(tmp_path):
         ["sha256sum", str(ROOT / "pyproject.toml")], capture_output=True, text=True, check=True
     ).stdout.split()[0]
     (venv / ".mok-jax-installed-test").write_text(digest + "\n")
-    env = {**os.environ, "MOK_JAX_VENV": str(venv)}
+    env = {**os.environ, "MOK_JAX_VENV": str(venv), "MOK_JAX_GPU": "0"}
     result = subprocess.run(
         ["bash", "-c", f'source "{ROOT}/scripts/venv.sh" test; echo "$MOK_PY"'],
         env=env,

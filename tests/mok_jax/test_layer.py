@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import pathlib
 import re
+import subprocess
+import sys
 
 import chex
 import jax
@@ -25,6 +29,7 @@ from tests.mok_jax.cases import (
 )
 
 TINY = presets["tiny"]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def scatter_combiners(hlo_text: str) -> list[str]:
@@ -45,10 +50,15 @@ class _LayerTest(chex.TestCase):
         return with_impl(base, self.implementation, **changes)
 
     def check_against_reference(
-        self, cfg: MoEConfig, num_tokens: int = 40, seed: int = 0, params_change=None
+        self,
+        cfg: MoEConfig,
+        num_tokens: int = 40,
+        seed: int = 0,
+        params_change=None,
+        x_dtype=None,
     ):
         """Values, aux and every gradient (one random cotangent) of `cfg` vs the reference."""
-        x, params, cotangent = random_inputs(cfg, num_tokens, seed)
+        x, params, cotangent = random_inputs(cfg, num_tokens, seed, x_dtype=x_dtype)
         if params_change is not None:
             params = params_change(params)
         (_, (y, aux)), grads = value_and_grads(x, params, cotangent, cfg=cfg)
@@ -118,6 +128,20 @@ class _LayerTest(chex.TestCase):
         overflow = np.maximum(np.asarray(aux.tokens_per_expert) - capacity, 0).sum()
         self.assertGreater(int(aux.dropped), 0)
         self.assertEqual(int(aux.dropped), int(overflow))
+
+    @parameterized.parameters(2, 4)
+    def test_capacity_with_several_slots(self, top_k):
+        cfg = self.cfg(top_k=top_k, capacity_factor=1.0)
+
+        def crowd_expert_0(params):
+            return dataclasses.replace(params, router_bias=params.router_bias.at[0].set(0.3))
+
+        aux, _ = self.check_against_reference(cfg, num_tokens=40, params_change=crowd_expert_0)
+        self.assertGreater(int(aux.dropped), 0)
+
+    @parameterized.parameters(("float32", "bfloat16"), ("bfloat16", "float32"))
+    def test_input_and_compute_dtypes_differ(self, x_dtype, compute_dtype):
+        self.check_against_reference(self.cfg(dtype=compute_dtype), num_tokens=24, x_dtype=x_dtype)
 
     def test_leading_dimensions_are_tokens(self):
         cfg = self.cfg()
@@ -267,3 +291,38 @@ def test_gpu_real_size_repeatable_and_matches_reference(name):
     assert_close(y, y_ref, cfg.dtype)
     assert_aux_equal(aux, aux_ref)
     assert_close(grads, grads_ref, cfg.dtype)
+
+
+_DIGEST_SCRIPT = """
+import hashlib, sys
+import jax, numpy as np
+from tests.mok_jax.cases import random_inputs, value_and_grads
+from tests.mok_jax.test_layer import GPU_LAYERS
+cfg, num_tokens = GPU_LAYERS[sys.argv[1]]
+x, params, cotangent = random_inputs(cfg, num_tokens, seed=11)
+digest = hashlib.sha256()
+for leaf in jax.tree.leaves(value_and_grads(x, params, cotangent, cfg=cfg)):
+    digest.update(np.asarray(leaf).tobytes())
+print(digest.hexdigest())
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(GPU_LAYERS))
+def test_gpu_same_bits_in_another_process(name):
+    """Two processes compile separately: with `deterministic_compiler_options` (used by
+    `value_and_grads`) the autotuner cannot pick different GEMM algorithms in each."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    digests = [
+        subprocess.run(
+            [sys.executable, "-c", _DIGEST_SCRIPT, name],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=True,
+        ).stdout.split()[-1]
+        for _ in range(2)
+    ]
+    assert digests[0] == digests[1]

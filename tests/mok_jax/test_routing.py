@@ -93,9 +93,9 @@ def test_weights_are_unbiased_scores(scores, data):
     experts = select_experts(jnp.asarray(scores), jnp.asarray(bias), cfg)
     weights = np.asarray(chosen_weights(jnp.asarray(scores), experts, cfg))
     expected = np.take_along_axis(scores, np.asarray(experts), axis=1)
-    if norm:
-        with np.errstate(invalid="ignore"):  # all-zero rows give nan in both
-            expected = expected / expected.sum(axis=1, keepdims=True)
+    if norm:  # a row whose chosen scores are all 0 keeps weights 0
+        total = expected.sum(axis=1, keepdims=True)
+        expected = np.divide(expected, total, out=np.zeros_like(expected), where=total > 0)
     np.testing.assert_allclose(weights, expected * scaling, rtol=1e-6)
 
 
@@ -154,3 +154,17 @@ def test_update_router_bias():
     chex.assert_trees_all_equal(balanced, bias)
     with pytest.raises(ValueError, match="must both have shape"):
         update_router_bias(bias, jnp.array([1, 2, 3]), 0.01)
+
+
+def test_normalized_weights_of_underflowed_scores_stay_zero():
+    cfg = MoEConfig(
+        d_model=8, d_ff=8, num_experts=4, top_k=2, score_fn="sigmoid", norm_topk_prob=True
+    )
+    x = jnp.ones((3, 8))
+    router = jnp.full((8, 4), -20.0)  # logits -160: sigmoid underflows to exactly 0 in f32
+
+    def total_weight(router):
+        return jnp.sum(route(x, router, jnp.zeros(4), cfg).weights_tk)
+
+    chex.assert_trees_all_equal(route(x, router, jnp.zeros(4), cfg).weights_tk, jnp.zeros((3, 2)))
+    chex.assert_tree_all_finite(jax.grad(total_weight)(router))
