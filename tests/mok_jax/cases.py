@@ -4,7 +4,6 @@ cotangent, and the comparison against the tolerance table."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import chex
 import jax
@@ -47,14 +46,21 @@ def loss_and_outputs(x, params, cotangent, cfg: MoEConfig):
     return jnp.vdot(y.astype(jnp.float32), cotangent) + aux.loss, (y, aux)
 
 
-@functools.partial(
-    jax.jit, static_argnames="cfg", compiler_options=deterministic_compiler_options()
-)
-def value_and_grads(x, params, cotangent, cfg: MoEConfig):
-    """((loss, (y, aux)), (dx, dparams)) of `loss_and_outputs`."""
-    return jax.value_and_grad(loss_and_outputs, argnums=(0, 1), has_aux=True)(
-        x, params, cotangent, cfg
+def jit_value_and_grads():
+    """A freshly jitted ((loss, (y, aux)), (dx, dparams)) of `loss_and_outputs`, compiled
+    with the deterministic options (a new jit compiles anew)."""
+
+    def value_and_grads(x, params, cotangent, cfg: MoEConfig):
+        return jax.value_and_grad(loss_and_outputs, argnums=(0, 1), has_aux=True)(
+            x, params, cotangent, cfg
+        )
+
+    return jax.jit(
+        value_and_grads, static_argnames="cfg", compiler_options=deterministic_compiler_options()
     )
+
+
+value_and_grads = jit_value_and_grads()
 
 
 def assert_close(actual, expected, dtype) -> None:

@@ -23,6 +23,7 @@ from tests.mok_jax.cases import (
     SCALED_PRESETS,
     assert_aux_equal,
     assert_close,
+    jit_value_and_grads,
     random_inputs,
     value_and_grads,
     with_impl,
@@ -39,6 +40,18 @@ def scatter_combiners(hlo_text: str) -> list[str]:
         region = hlo_text[match.end() :].split("})", 1)[0]
         combiners.append(" ".join(sorted(set(re.findall(r"stablehlo\.\w+", region)))))
     return combiners
+
+
+def compiled_float_scatter_adds(hlo_text: str) -> list[str]:
+    """Scatters of a compiled (optimized) HLO module that add floats: what XLA really runs."""
+    blocks = re.split(r"\n(?=\S)", hlo_text)  # one computation per unindented header
+    adds = {block.split()[0].lstrip("%") for block in blocks if re.search(r" add\(", block)}
+    found = []
+    for line in hlo_text.splitlines():
+        match = re.search(r"= (\w+)\[[^=]*\bscatter\(.*to_apply=%([\w.\-]+)", line)
+        if match and match.group(1).startswith(("f", "bf")) and match.group(2) in adds:
+            found.append(line.strip()[:160])
+    return found
 
 
 class _LayerTest(chex.TestCase):
@@ -174,7 +187,7 @@ class _LayerTest(chex.TestCase):
         x, params, cotangent = random_inputs(cfg, 64, seed=3)
         first = value_and_grads(x, params, cotangent, cfg=cfg)
         again = value_and_grads(x, params, cotangent, cfg=cfg)
-        fresh = jax.jit(lambda *a: value_and_grads(*a, cfg=cfg))(x, params, cotangent)
+        fresh = jit_value_and_grads()(x, params, cotangent, cfg=cfg)
         chex.assert_trees_all_equal(first, again)
         chex.assert_trees_all_equal(first, fresh)
 
@@ -198,10 +211,8 @@ class _LayerTest(chex.TestCase):
     def test_no_scatter_add_when_lowered_for_cuda(self, preset):
         cfg = self.cfg(SCALED_PRESETS[preset])
         x, params, cotangent = random_inputs(cfg, 32)
-        lowered = (
-            jax.jit(functools.partial(value_and_grads, cfg=cfg))
-            .trace(x, params, cotangent)
-            .lower(lowering_platforms=("cuda",))
+        lowered = value_and_grads.trace(x, params, cotangent, cfg=cfg).lower(
+            lowering_platforms=("cuda",)
         )
         combiners = scatter_combiners(lowered.as_text())
         self.assertFalse(
@@ -209,12 +220,28 @@ class _LayerTest(chex.TestCase):
             f"scatter-adds on the forward/backward path: {combiners}",
         )
 
+    def test_no_float_scatter_add_after_compilation(self):
+        cfg = self.cfg(SCALED_PRESETS["deepseek_v3"])
+        x, params, cotangent = random_inputs(cfg, 32)
+        compiled = value_and_grads.lower(x, params, cotangent, cfg=cfg).compile()
+        self.assertEqual(compiled_float_scatter_adds(compiled.as_text()), [])
+
 
 class XlaLayerTest(_LayerTest):
     implementation = "xla"
 
 
 del _LayerTest  # the base class holds no implementation of its own
+
+
+def test_compiled_float_scatter_adds_finds_one():
+    """The compiled check above can fail: it sees a gather gradient's scatter-add."""
+    compiled = (
+        jax.jit(jax.grad(lambda a, i: jnp.sum(a[i] * a[i])))
+        .lower(jnp.ones(4), jnp.array([0, 0, 1]))
+        .compile()
+    )
+    assert len(compiled_float_scatter_adds(compiled.as_text())) == 1
 
 
 def test_scatter_combiners_finds_an_add():
@@ -291,6 +318,8 @@ def test_gpu_real_size_repeatable_and_matches_reference(name):
     assert_close(y, y_ref, cfg.dtype)
     assert_aux_equal(aux, aux_ref)
     assert_close(grads, grads_ref, cfg.dtype)
+    compiled = value_and_grads.lower(x, params, cotangent, cfg=cfg).compile()
+    assert compiled_float_scatter_adds(compiled.as_text()) == []
 
 
 _DIGEST_SCRIPT = """
