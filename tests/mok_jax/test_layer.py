@@ -67,13 +67,15 @@ class _LayerTest(chex.TestCase):
         cfg: MoEConfig,
         num_tokens: int = 40,
         seed: int = 0,
-        params_change=None,
+        bias: dict[int, float] | None = None,
         x_dtype=None,
     ):
         """Values, aux and every gradient (one random cotangent) of `cfg` vs the reference."""
         x, params, cotangent = random_inputs(cfg, num_tokens, seed, x_dtype=x_dtype)
-        if params_change is not None:
-            params = params_change(params)
+        for expert, value in (bias or {}).items():  # steer the routing towards or away
+            params = dataclasses.replace(
+                params, router_bias=params.router_bias.at[expert].set(value)
+            )
         (_, (y, aux)), grads = value_and_grads(x, params, cotangent, cfg=cfg)
         reference = with_impl(cfg, "reference")
         (_, (y_ref, aux_ref)), grads_ref = value_and_grads(x, params, cotangent, cfg=reference)
@@ -100,10 +102,7 @@ class _LayerTest(chex.TestCase):
         assert_aux_equal(aux, aux_ref)
 
     def test_expert_with_no_tokens(self):
-        def starve_expert_3(params):
-            return dataclasses.replace(params, router_bias=params.router_bias.at[3].set(-10.0))
-
-        aux, grads = self.check_against_reference(self.cfg(), params_change=starve_expert_3)
+        aux, grads = self.check_against_reference(self.cfg(), bias={3: -10.0})
         self.assertEqual(int(aux.tokens_per_expert[3]), 0)
         for name in ("w_gate", "w_up", "w_down"):
             chex.assert_trees_all_equal(
@@ -111,12 +110,9 @@ class _LayerTest(chex.TestCase):
             )
 
     def test_all_tokens_to_one_expert(self):
-        def favour_expert_5(params):
-            return dataclasses.replace(params, router_bias=params.router_bias.at[5].set(10.0))
-
         for top_k in (1, 3):
             cfg = self.cfg(top_k=top_k)
-            aux, _ = self.check_against_reference(cfg, num_tokens=33, params_change=favour_expert_5)
+            aux, _ = self.check_against_reference(cfg, num_tokens=33, bias={5: 10.0})
             self.assertEqual(int(aux.tokens_per_expert[5]), 33)
 
     @parameterized.parameters(1, 8)
@@ -132,10 +128,7 @@ class _LayerTest(chex.TestCase):
     def test_capacity_drops_like_switch(self):
         cfg = self.cfg(SCALED_PRESETS["switch"], num_experts=8)  # top-1, capacity factor 1.25
 
-        def crowd_expert_0(params):
-            return dataclasses.replace(params, router_bias=params.router_bias.at[0].set(0.05))
-
-        aux, _ = self.check_against_reference(cfg, num_tokens=64, params_change=crowd_expert_0)
+        aux, _ = self.check_against_reference(cfg, num_tokens=64, bias={0: 0.05})
         capacity = cfg.capacity(64)
         self.assertEqual(capacity, 10)
         overflow = np.maximum(np.asarray(aux.tokens_per_expert) - capacity, 0).sum()
@@ -146,10 +139,7 @@ class _LayerTest(chex.TestCase):
     def test_capacity_with_several_slots(self, top_k):
         cfg = self.cfg(top_k=top_k, capacity_factor=1.0)
 
-        def crowd_expert_0(params):
-            return dataclasses.replace(params, router_bias=params.router_bias.at[0].set(0.3))
-
-        aux, _ = self.check_against_reference(cfg, num_tokens=40, params_change=crowd_expert_0)
+        aux, _ = self.check_against_reference(cfg, num_tokens=40, bias={0: 0.3})
         self.assertGreater(int(aux.dropped), 0)
 
     @parameterized.parameters(("float32", "bfloat16"), ("bfloat16", "float32"))
