@@ -1,0 +1,178 @@
+"""Tile configurations of the grouped-matmul kernels, their defaults and the persistent grid size.
+
+A `TileConfig` is frozen, keyword-only and validates itself; `None` means "derive it". Defaults
+come from `DEFAULT_CONFIGS`, keyed by (shape class, device kind); a caller's config is never
+replaced. The persistent grid has one program per streaming multiprocessor: the device's own core
+count when it reports one (a GPU does), else the per-device table (a CPU device that lowers or
+interprets a kernel for CUDA reports none, and the kernel is built for `TARGET_DEVICE_KIND`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax
+
+GridMinorDim = Literal["m", "n"]
+ShapeClass = Literal["gmm", "gmm_transposed", "gmm_swiglu", "tgmm"]
+SHAPE_CLASSES: tuple[ShapeClass, ...] = ("gmm", "gmm_transposed", "gmm_swiglu", "tgmm")
+
+# Shared memory a block may use on sm90 (227 KiB), less a margin for barriers and scalars.
+SMEM_BYTES_SM90 = 227 * 1024 - 1024
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DeviceInfo:
+    """What a kernel needs to know of a device it may not be running on."""
+
+    num_cores: int  # streaming multiprocessors
+    smem_bytes: int  # shared memory one block may use
+
+
+# Device kinds as `jax.Device.device_kind` spells them.
+DEVICES: dict[str, DeviceInfo] = {
+    "NVIDIA H200": DeviceInfo(num_cores=132, smem_bytes=SMEM_BYTES_SM90),
+    "NVIDIA H100 80GB HBM3": DeviceInfo(num_cores=132, smem_bytes=SMEM_BYTES_SM90),
+    "NVIDIA H100 PCIe": DeviceInfo(num_cores=114, smem_bytes=SMEM_BYTES_SM90),
+    "NVIDIA H800": DeviceInfo(num_cores=132, smem_bytes=SMEM_BYTES_SM90),
+}
+# The device a kernel is built for when the current device is no GPU (CUDA lowering or GPU
+# interpret mode on a CPU machine), or a GPU the tables do not know.
+TARGET_DEVICE_KIND = "NVIDIA H200"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TileConfig:
+    """Tiles of one persistent, warp-specialized grouped-matmul kernel.
+
+    Attributes:
+      block_m: rows of an output tile (each consumer warpgroup holds all of them).
+      block_n: columns of an output tile; each of the `num_consumers` consumer warpgroups owns
+        block_n // num_consumers of them (for gmm_swiglu: of the gate and of the up product).
+      block_k: the reduction step of one pipeline stage.
+      max_concurrent_steps: pipeline stages in shared memory.
+      delay_release: 0 waits for each step's wgmma before its stage is released; 1 keeps one
+        wgmma in flight and releases a stage one step later.
+      epi_block_m, epi_block_n: the epilogue sub-tile a consumer stages in shared memory before
+        its TMA store (None: the consumer's whole tile).
+      grid_minor_dim, grid_tile_width: the order of output tiles over the persistent grid: bands
+        of `grid_tile_width` tiles along `grid_minor_dim` (for L2 reuse).
+      grid_size: programs of the persistent grid (None: one per streaming multiprocessor).
+      num_consumers: consumer warpgroups (1 or 2); one producer warpgroup issues the TMA loads.
+    """
+
+    block_m: int = 128
+    block_n: int = 256
+    block_k: int = 64
+    max_concurrent_steps: int = 4
+    delay_release: int = 1
+    epi_block_m: int | None = 64
+    epi_block_n: int | None = 64
+    grid_minor_dim: GridMinorDim = "n"
+    grid_tile_width: int = 1
+    grid_size: int | None = None
+    num_consumers: int = 2
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k", "max_concurrent_steps", "grid_tile_width"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive int")
+        block_m, block_n, block_k = self.block_m, self.block_n, self.block_k
+        if block_m % 64:
+            raise ValueError(f"{block_m=} must be a multiple of 64 (the wgmma row count)")
+        if block_k % 64:
+            raise ValueError(f"{block_k=} must be a multiple of 64 (one 128-byte swizzle row)")
+        if self.num_consumers not in (1, 2):
+            raise ValueError(f"num_consumers={self.num_consumers!r} must be 1 or 2")
+        if block_n % (64 * self.num_consumers):
+            raise ValueError(
+                f"{block_n=} must be a multiple of 64 * num_consumers={64 * self.num_consumers}"
+            )
+        if self.delay_release not in (0, 1):
+            raise ValueError(f"delay_release={self.delay_release!r} must be 0 or 1")
+        if self.max_concurrent_steps <= self.delay_release:
+            raise ValueError(
+                f"max_concurrent_steps={self.max_concurrent_steps} must exceed "
+                f"delay_release={self.delay_release}"
+            )
+        if self.grid_minor_dim not in ("m", "n"):
+            raise ValueError(f"grid_minor_dim={self.grid_minor_dim!r} must be 'm' or 'n'")
+        if self.grid_size is not None and (
+            not isinstance(self.grid_size, int) or self.grid_size < 1
+        ):
+            raise ValueError(f"grid_size={self.grid_size!r} must be None or a positive int")
+        consumer_n = self.consumer_n
+        epi_m, epi_n = self.epilogue_tile
+        if epi_m % 64 or block_m % epi_m:
+            raise ValueError(
+                f"epi_block_m={self.epi_block_m} must be a multiple of 64 dividing {block_m=}"
+            )
+        if epi_n < 8 or consumer_n % epi_n or epi_n % 8:
+            raise ValueError(
+                f"epi_block_n={self.epi_block_n} must be a multiple of 8 dividing the "
+                f"consumer's {consumer_n} columns (block_n // num_consumers)"
+            )
+
+    @property
+    def consumer_n(self) -> int:
+        """Columns of the output tile owned by one consumer warpgroup."""
+        return self.block_n // self.num_consumers
+
+    @property
+    def epilogue_tile(self) -> tuple[int, int]:
+        """(rows, columns) of one epilogue sub-tile."""
+        return (self.epi_block_m or self.block_m, self.epi_block_n or self.consumer_n)
+
+    def smem_bytes(self, *, itemsize: int, out_itemsize: int, num_rhs: int = 1) -> int:
+        """Shared memory of the pipeline stages plus the epilogue buffers (2 per consumer)."""
+        stage = (self.block_m * self.block_k + num_rhs * self.block_k * self.block_n) * itemsize
+        epi_m, epi_n = self.epilogue_tile
+        return (
+            self.max_concurrent_steps * stage
+            + self.num_consumers * 2 * epi_m * epi_n * out_itemsize
+        )
+
+
+def resolve_device_kind(device: jax.Device | None = None) -> str:
+    """The device kind a kernel is built for: the device's own, or `TARGET_DEVICE_KIND`."""
+    device = jax.devices()[0] if device is None else device
+    if device.platform == "gpu" and device.device_kind in DEVICES:
+        return device.device_kind
+    return TARGET_DEVICE_KIND
+
+
+def persistent_grid_size(device: jax.Device | None = None) -> int:
+    """Programs of the persistent grid: one per streaming multiprocessor of `device`.
+
+    A GPU reports its core count; a CPU device (CUDA lowering, GPU interpret mode) reports none,
+    and the count comes from `DEVICES[resolve_device_kind(device)]`.
+    """
+    device = jax.devices()[0] if device is None else device
+    core_count = getattr(device, "core_count", None) if device.platform == "gpu" else None
+    if isinstance(core_count, int) and core_count > 0:
+        return core_count
+    return DEVICES[resolve_device_kind(device)].num_cores
+
+
+# Measured winners go here (bench/results/*_gmm_tuning_h200.json has the sweep behind them).
+DEFAULT_CONFIGS: dict[tuple[ShapeClass, str], TileConfig] = {
+    ("gmm", "NVIDIA H200"): TileConfig(),
+    ("gmm_transposed", "NVIDIA H200"): TileConfig(),
+    ("gmm_swiglu", "NVIDIA H200"): TileConfig(block_n=128, epi_block_n=64),
+    # tgmm (the weight gradient, in mosaic_gpu_wgrad.py): block_m tiles K, block_n tiles N and
+    # block_k steps over a group's rows.
+    ("tgmm", "NVIDIA H200"): TileConfig(block_m=128, block_n=128, block_k=64),
+}
+
+
+def default_config(shape_class: ShapeClass, device: jax.Device | None = None) -> TileConfig:
+    """The table's config for `shape_class` on `device` (the target device kind if unknown)."""
+    if shape_class not in SHAPE_CLASSES:
+        raise ValueError(f"{shape_class=} must be one of {SHAPE_CLASSES}")
+    kind = resolve_device_kind(device)
+    config = DEFAULT_CONFIGS.get((shape_class, kind))
+    if config is None:
+        config = DEFAULT_CONFIGS[(shape_class, TARGET_DEVICE_KIND)]
+    return config
