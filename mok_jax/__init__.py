@@ -1,6 +1,15 @@
 """mok-jax: deterministic, dropless Mixture-of-Experts layers for JAX."""
 
-from mok_jax.config import IMPLEMENTATIONS, PRESETS, Implementation, MoEConfig, ScoreFn, scale_down
+from mok_jax.config import (
+    EXCHANGES,
+    IMPLEMENTATIONS,
+    PRESETS,
+    Exchange,
+    Implementation,
+    MoEConfig,
+    ScoreFn,
+    scale_down,
+)
 from mok_jax.determinism import deterministic_compiler_options
 from mok_jax.hf import from_hf
 from mok_jax.layer import moe
@@ -11,7 +20,9 @@ from mok_jax.routing import MoEAux, update_router_bias
 presets = PRESETS
 
 __all__ = [
+    "EXCHANGES",
     "IMPLEMENTATIONS",
+    "Exchange",
     "Implementation",
     "MoE",
     "MoEAux",

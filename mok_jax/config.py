@@ -29,9 +29,12 @@ import numpy as np
 
 Implementation = Literal["reference", "xla"]
 ScoreFn = Literal["softmax", "sigmoid"]
+# How rows travel between the devices of the `expert` mesh axis (see exchange.py).
+Exchange = Literal["ragged_all_to_all", "ring"]
 
 IMPLEMENTATIONS: tuple[str, ...] = typing.get_args(Implementation)
 SCORE_FNS: tuple[str, ...] = typing.get_args(ScoreFn)
+EXCHANGES: tuple[str, ...] = typing.get_args(Exchange)
 
 # Short dtype names a command line or a config file may use, besides numpy's own names.
 _DTYPE_ALIASES = {
@@ -114,6 +117,17 @@ class MoEConfig:
         bfloat16, float16 or float32, as a jnp/np dtype or a name ('bfloat16', 'bf16', ...);
         stored as a numpy dtype.
       implementation: which implementation computes the layer (see `Implementation`).
+      exchange: how rows travel to the devices that own their experts under a mesh with an
+        `expert` axis: "ragged_all_to_all" (one collective per round; a dense all_to_all
+        stands in on CPU) or "ring" (EP-1 `ppermute` hops, the GEMMs of one hop's chunk
+        overlapping the next hop's transfer). Both give the same bits for y and dx.
+      buffer_factor: the receive buffer, as a multiple of the balanced load (the rows a device
+        would receive if routing were uniform). Rows beyond it travel in further rounds of the
+        same exchange: memory stays bounded, nothing is dropped, imbalance costs rounds.
+      row_tile: rows per tile: every routed row meets its expert's weights in a dot of
+        [row_tile, D] (expert groups are padded to whole tiles), and every token its router and
+        shared-expert weights in a dot of [row_tile, D], whatever the device count; this is
+        what keeps y and dx the same bits for every expert-parallel degree. A multiple of 8.
     """
 
     d_model: int
@@ -131,6 +145,9 @@ class MoEConfig:
     capacity_factor: float | None = None
     dtype: typing.Any = jnp.bfloat16
     implementation: Implementation = "xla"
+    exchange: Exchange = "ragged_all_to_all"
+    buffer_factor: float = 2.0
+    row_tile: int = 64
 
     def __post_init__(self) -> None:
         def put(name: str, value: typing.Any) -> None:
@@ -158,6 +175,12 @@ class MoEConfig:
             raise ValueError(
                 f"implementation={self.implementation!r} must be one of {IMPLEMENTATIONS}"
             )
+        if self.exchange not in EXCHANGES:
+            raise ValueError(f"exchange={self.exchange!r} must be one of {EXCHANGES}")
+        put("buffer_factor", _check_float("buffer_factor", self.buffer_factor, positive=True))
+        put("row_tile", _check_int("row_tile", self.row_tile, minimum=8))
+        if self.row_tile % 8:
+            raise ValueError(f"row_tile={self.row_tile} must be a multiple of 8")
         put("dtype", compute_dtype(self.dtype))
 
         top_k, num_experts = self.top_k, self.num_experts

@@ -1,45 +1,96 @@
-"""The MoE layer as a function: `moe(x, params, cfg) -> (y, aux)`.
+"""The MoE layer as a function: `moe(x, params, cfg, mesh=None) -> (y, aux)`.
 
-The `xla` implementation is a sequence of short named stages (each under `jax.named_scope`, so a
-profile reads like this file):
+The `xla` implementation runs the same stages on one device and on every device of a mesh
+(inside `jax.shard_map`, on that device's tokens and experts), each under `jax.named_scope`:
 
-  route     logits, scores, top-k experts and weights               [T, D] -> [T, K]
-  plan      stable sort of the N = T*K rows by expert; group sizes  [T, K] -> Plan
-  dispatch  gather each row's token into expert-sorted order         [T, D] -> [N, D]
-  experts   SwiGLU grouped GEMMs (`jax.lax.ragged_dot`)              [N, D] -> [N, D] f32
-  combine   rows back to (token, slot) order; fixed-order weighted sum plus the shared experts
+  route     logits, scores, top-k experts and weights                 [T, D] -> [T, K]
+  plan      stable sort of the N = T*K rows by expert; global counts  [T, K] -> Plan
+  dispatch  rows in expert order, then to the devices of their experts [T, D] -> [R, D]
+  experts   SwiGLU in fixed-shape tiles, one expert per tile           [R, D] -> [R, D] f32
+  return    results back to the rows' devices                          [R, D] -> [N, D] f32
+  combine   fixed-order weighted sum over the K slots, plus the shared experts
 
-On one device nothing travels, so there is no return stage between experts and combine.
-Every step is deterministic: no scatter-add on the forward or backward path (see permute.py).
+Every step is deterministic: no scatter-add on the forward or backward path (see permute.py),
+rows placed by (source device, position) (see exchange.py), and every row meets its weights in
+a dot of one fixed shape (see tiles.py), so y and dx are the same bits for every mesh.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from jax import Array
+from jax import Array, lax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from mok_jax.config import MoEConfig
-from mok_jax.experts import dense_swiglu, grouped_swiglu_ragged
+from mok_jax.mesh import PARAM_AXES, ShardingRules
 from mok_jax.params import MoEParams, validate_params
 from mok_jax.permute import rows_to_slots, sum_slots, tokens_to_rows
 from mok_jax.plan import Plan, make_plan
 from mok_jax.reference import moe_reference
-from mok_jax.routing import MoEAux, Routing, load_balancing_loss, route, router_z_loss
+from mok_jax.routed import RoutedSpec, routed_experts
+from mok_jax.routing import (
+    MoEAux,
+    Routing,
+    load_balancing_loss,
+    route_logits,
+    router_z_loss,
+)
+from mok_jax.tiles import token_dot, token_swiglu, token_tiled
+
+
+@dataclasses.dataclass(frozen=True)
+class _Axes:
+    """The mesh axes the stages run under: none on one device."""
+
+    expert: str | None = None
+    tokens: tuple[str, ...] = ()
+    num_devices: int = 1  # devices along `tokens`
+    expert_devices: int = 1  # EP
+
+
+def _psum(x: Array, axes: _Axes) -> Array:
+    return lax.psum(x, axes.tokens) if axes.tokens else x
 
 
 def _route(x_td: Array, params: MoEParams, cfg: MoEConfig) -> Routing:
     with jax.named_scope("route"):
-        return route(x_td, params.router, params.router_bias, cfg)
+        # Token by token, in fixed-shape chunks: a reduction over a token's K weights or E
+        # scores must not change its order with the number of tokens on the device.
+        def chunk(x_cd):
+            logits_ce = token_dot(x_cd, params.router, jnp.float32, cfg.row_tile)
+            return route_logits(logits_ce, params.router_bias, cfg)
+
+        return token_tiled(chunk, x_td, cfg.row_tile)
 
 
-def _plan(routing: Routing, cfg: MoEConfig) -> Plan:
+def _plan(routing: Routing, cfg: MoEConfig, axes: _Axes) -> tuple[Plan, Array]:
+    """The local plan, with the capacity applied in global token order; and the global load."""
     with jax.named_scope("plan"):
-        num_tokens = routing.experts_tk.shape[0]
-        return make_plan(routing.experts_tk, cfg.num_experts, cfg.capacity(num_tokens))
+        plan = make_plan(routing.experts_tk, cfg.num_experts)
+        tokens_per_expert = _psum(plan.group_sizes_e, axes)
+        capacity = cfg.capacity(routing.experts_tk.shape[0] * axes.num_devices)
+        if capacity is None:
+            return plan, tokens_per_expert
+        # Rows of each expert on the devices before this one come first (tokens are sharded in
+        # device order), so a row's global rank is that count plus its local rank.
+        before_e = jnp.zeros_like(plan.group_sizes_e)
+        if axes.tokens:
+            counts_ve = lax.all_gather(plan.group_sizes_e, axes.tokens)
+            me = lax.axis_index(axes.tokens)
+            before_e = jnp.sum(
+                jnp.where((jnp.arange(counts_ve.shape[0]) < me)[:, None], counts_ve, 0),
+                axis=0,
+                dtype=jnp.int32,
+            )
+        experts_n = routing.experts_tk.reshape(-1)
+        rank_n = plan.inverse_n - plan.group_starts_e[experts_n] + before_e[experts_n]
+        return dataclasses.replace(plan, keep_n=rank_n < capacity), tokens_per_expert
 
 
 def _dispatch(x_td: Array, plan: Plan, cfg: MoEConfig) -> Array:
@@ -47,11 +98,31 @@ def _dispatch(x_td: Array, plan: Plan, cfg: MoEConfig) -> Array:
         return tokens_to_rows(x_td.astype(cfg.dtype), plan.order_n, plan.inverse_n, cfg.top_k)
 
 
-def _experts(x_nd: Array, params: MoEParams, plan: Plan, cfg: MoEConfig) -> Array:
-    with jax.named_scope("experts"):
-        return grouped_swiglu_ragged(
-            x_nd, params.w_gate, params.w_up, params.w_down, plan.group_sizes_e, cfg.dtype
-        )
+def _experts(x_nd: Array, params: MoEParams, plan: Plan, cfg: MoEConfig, axes: _Axes):
+    """Dispatch to the experts' devices, the expert GEMMs and the return, in rounds."""
+    spec = RoutedSpec(
+        axis=axes.expert,
+        rounds_axes=axes.tokens,
+        num_devices=axes.expert_devices,
+        num_local=cfg.num_experts // axes.expert_devices,
+        exchange=cfg.exchange,
+        buffer_rows=_buffer_rows(x_nd.shape[0], cfg, axes),
+        row_tile=cfg.row_tile,
+        dtype=cfg.dtype,
+    )
+    weights = (params.w_gate, params.w_up, params.w_down)
+    return routed_experts(x_nd, weights, plan.group_sizes_e, spec)
+
+
+def _buffer_rows(num_rows: int, cfg: MoEConfig, axes: _Axes) -> int:
+    """The receive window (rows per round per device) or the ring's chunk (rows per hop), as
+    `buffer_factor` times the balanced load, capped by what can arrive at all."""
+    ep = axes.expert_devices
+    tokens = num_rows // cfg.top_k
+    most = tokens * min(cfg.top_k, cfg.num_experts // ep)  # one source's rows for one device
+    if cfg.exchange == "ring" and axes.expert is not None:
+        return max(1, min(math.ceil(cfg.buffer_factor * num_rows / ep), most))
+    return max(1, min(math.ceil(cfg.buffer_factor * num_rows), most * ep))
 
 
 def _combine(
@@ -66,29 +137,87 @@ def _combine(
             terms_tkd = jnp.where(plan.keep_n.reshape(num_tokens, top_k, 1), terms_tkd, 0.0)
         y_td = sum_slots(terms_tkd)
         if cfg.num_shared_experts:
-            y_td = y_td + dense_swiglu(
-                x_td, params.shared_w_gate, params.shared_w_up, params.shared_w_down, cfg.dtype
-            )
+            shared = (params.shared_w_gate, params.shared_w_up, params.shared_w_down)
+            y_td = y_td + token_swiglu(x_td, *shared, cfg.dtype, cfg.row_tile)
         return y_td.astype(x_td.dtype)
 
 
-def _aux(routing: Routing, plan: Plan, cfg: MoEConfig) -> MoEAux:
+def _aux(
+    routing: Routing, plan: Plan, tokens_per_expert: Array, rounds: Array, cfg, axes: _Axes
+) -> MoEAux:
     with jax.named_scope("aux"):
         return MoEAux(
-            aux_loss=load_balancing_loss(routing.scores_te, plan.group_sizes_e, cfg),
-            z_loss=router_z_loss(routing.logits_te, cfg),
-            tokens_per_expert=plan.group_sizes_e,
-            dropped=plan.dropped,
+            aux_loss=load_balancing_loss(routing.scores_te, tokens_per_expert, cfg, axes.tokens),
+            z_loss=router_z_loss(routing.logits_te, cfg, axes.tokens),
+            tokens_per_expert=tokens_per_expert,
+            dropped=_psum(plan.dropped, axes),
+            rounds=rounds,
         )
 
 
-def moe_xla(x_td: Array, params: MoEParams, cfg: MoEConfig) -> tuple[Array, MoEAux]:
-    """The `xla` implementation on x [T, D] (already validated)."""
+def _local_moe(x_td: Array, params: MoEParams, cfg: MoEConfig, axes: _Axes):
+    """The `xla` stages on one device's tokens x [T, D] and experts."""
     routing = _route(x_td, params, cfg)
-    plan = _plan(routing, cfg)
+    plan, tokens_per_expert = _plan(routing, cfg, axes)
     x_nd = _dispatch(x_td, plan, cfg)
-    y_nd = _experts(x_nd, params, plan, cfg)
-    return _combine(y_nd, x_td, routing, plan, params, cfg), _aux(routing, plan, cfg)
+    y_nd, rounds = _experts(x_nd, params, plan, cfg, axes)
+    y_td = _combine(y_nd, x_td, routing, plan, params, cfg)
+    return y_td, _aux(routing, plan, tokens_per_expert, rounds, cfg, axes)
+
+
+def moe_xla(x_td: Array, params: MoEParams, cfg: MoEConfig) -> tuple[Array, MoEAux]:
+    """The `xla` implementation on one device, x [T, D] (already validated)."""
+    return _local_moe(x_td, params, cfg, _Axes())
+
+
+def _param_specs(params: MoEParams, rules: ShardingRules) -> MoEParams:
+    return MoEParams(
+        **{
+            field: None if getattr(params, field) is None else rules.spec(*PARAM_AXES[field])
+            for field in PARAM_AXES
+        }
+    )
+
+
+def _aux_specs() -> MoEAux:
+    return MoEAux(*(PartitionSpec() for _ in dataclasses.fields(MoEAux)))
+
+
+def _place(tree, specs, mesh):
+    """Puts every leaf where the specs say (a reshard inside jit, a transfer outside it)."""
+    return jax.tree.map(
+        lambda a, s: jax.device_put(a, NamedSharding(mesh, s)),
+        tree,
+        specs,
+        is_leaf=lambda a: a is None,
+    )
+
+
+def moe_sharded(
+    x_td: Array, params: MoEParams, cfg: MoEConfig, mesh, rules: ShardingRules
+) -> tuple[Array, MoEAux]:
+    """The `xla` implementation inside `jax.shard_map` over `mesh` (already checked)."""
+    if cfg.implementation != "xla":
+        raise ValueError(
+            f"implementation={cfg.implementation!r} runs on one device; under a mesh use 'xla'"
+        )
+    axes = _Axes(
+        expert=rules.experts,
+        tokens=rules.tokens,
+        num_devices=math.prod(mesh.shape[a] for a in rules.tokens),
+        expert_devices=mesh.shape[rules.experts],
+    )
+    x_spec = rules.spec("tokens", "embed")
+    param_specs = _param_specs(params, rules)
+    x_td = _place(x_td, x_spec, mesh)
+    params = _place(params, param_specs, mesh)
+    local = jax.shard_map(
+        functools.partial(_local_moe, cfg=cfg, axes=axes),
+        mesh=mesh,
+        in_specs=(x_spec, param_specs),
+        out_specs=(x_spec, _aux_specs()),
+    )
+    return local(x_td, params)
 
 
 _IMPLEMENTATIONS: dict[str, Callable[[Array, MoEParams, MoEConfig], tuple[Array, MoEAux]]] = {
@@ -112,34 +241,55 @@ def _check_input(x: jax.typing.ArrayLike, cfg: MoEConfig) -> Array:
 
 
 def _no_tokens(x: Array, cfg: MoEConfig) -> tuple[Array, MoEAux]:
-    zero_f32 = jnp.zeros((), jnp.float32)
+    zero_f32, zero_i32 = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)
     return x, MoEAux(
         aux_loss=zero_f32,
         z_loss=zero_f32,
         tokens_per_expert=jnp.zeros((cfg.num_experts,), jnp.int32),
-        dropped=jnp.zeros((), jnp.int32),
+        dropped=zero_i32,
+        rounds=zero_i32,
     )
 
 
-def moe(x: jax.typing.ArrayLike, params: MoEParams, cfg: MoEConfig) -> tuple[Array, MoEAux]:
+def _context_mesh():
+    mesh = jax.sharding.get_abstract_mesh()
+    return None if mesh.empty else mesh
+
+
+def moe(
+    x: jax.typing.ArrayLike,
+    params: MoEParams,
+    cfg: MoEConfig,
+    *,
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
+    rules: ShardingRules | None = None,
+) -> tuple[Array, MoEAux]:
     """Applies a Mixture-of-Experts layer (top-k routing, SwiGLU experts, weighted combine).
 
-    Deterministic: the same inputs give the same bits, run after run. Dropless unless
-    `cfg.capacity_factor` is set. Differentiable in `x` and every parameter but `router_bias`.
+    Deterministic: the same inputs give the same bits, run after run, and y and dx are the same
+    bits on every mesh (see the module docstring). Dropless unless `cfg.capacity_factor` is set.
+    Differentiable in `x` and every parameter but `router_bias`.
 
     Args:
       x: [..., D] tokens, any float dtype; every leading dimension is a token dimension (T is
         their product). Computed in `cfg.dtype` with f32 accumulation.
       params: `MoEParams` with the shapes of `cfg` (see `init_params`).
       cfg: the layer's `MoEConfig` (static: hashable, pass it as a static jit argument).
+      mesh: a mesh with the axes of `rules` (see `make_mesh`); the layer then runs expert
+        parallel inside `jax.shard_map`, tokens sharded over (`data`, `expert`) and experts
+        over `expert`. It places x and params itself, whatever their sharding. None: the
+        mesh set by `jax.set_mesh`, if any, else one device.
+      rules: the `ShardingRules` (default: tokens over ("data", "expert"), experts over
+        "expert").
 
     Returns:
       (y, aux): y [..., D] with x's shape and dtype; aux a `MoEAux` with the load-balancing and
-      z losses (f32 scalars, coefficients applied), tokens_per_expert int32 [E] and dropped
-      int32 [].
+      z losses (f32 scalars, coefficients applied), tokens_per_expert int32 [E], dropped
+      int32 [] and the exchange's rounds int32 [], all global (the same on every device).
 
     Raises:
-      ValueError: x is not floating or its last dimension is not D, or params do not fit cfg.
+      ValueError: x is not floating or its last dimension is not D, params do not fit cfg, or
+        the mesh cannot run it (no expert axis, E or T not divisible by the device counts).
 
     Example:
       >>> cfg = mok_jax.presets["tiny"]
@@ -151,9 +301,16 @@ def moe(x: jax.typing.ArrayLike, params: MoEParams, cfg: MoEConfig) -> tuple[Arr
     """
     x = _check_input(x, cfg)
     validate_params(params, cfg)
+    mesh = _context_mesh() if mesh is None else mesh
     num_tokens = math.prod(x.shape[:-1])
+    if mesh is not None:
+        rules = ShardingRules() if rules is None else rules
+        rules.check(mesh, cfg, num_tokens)
     if num_tokens == 0:
         return _no_tokens(x, cfg)
     x_td = x.reshape(num_tokens, cfg.d_model)
-    y_td, aux = _IMPLEMENTATIONS[cfg.implementation](x_td, params, cfg)
+    if mesh is None:
+        y_td, aux = _IMPLEMENTATIONS[cfg.implementation](x_td, params, cfg)
+    else:
+        y_td, aux = moe_sharded(x_td, params, cfg, mesh, rules)
     return y_td.reshape(x.shape), aux

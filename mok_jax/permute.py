@@ -55,3 +55,32 @@ def _rows_to_slots_bwd(order_n, g_nd):
 
 
 rows_to_slots.defvjp(_rows_to_slots_fwd, _rows_to_slots_bwd)
+
+
+@jax.custom_vjp
+def take_rows(src_ad: Array, index_b: Array, inverse_a: Array) -> Array:
+    """out[b] = src[index_b[b]], or 0 where index_b[b] < 0: a partial permutation of rows.
+
+    The map must be injective on its valid entries, and `inverse_a` its inverse: for each source
+    row a, the b with index_b[b] = a, or -1 when no b takes row a. The backward is then the
+    gather with the inverse (never a scatter-add), so every row's gradient is a copy.
+
+    Shapes: src [A, D]; index_b int32 [B]; inverse_a int32 [A] -> [B, D].
+    """
+    return _take(src_ad, index_b)
+
+
+def _take(src_ad: Array, index_b: Array) -> Array:
+    rows_bd = src_ad[jnp.clip(index_b, 0, src_ad.shape[0] - 1)]
+    return jnp.where((index_b >= 0)[:, None], rows_bd, jnp.zeros((), src_ad.dtype))
+
+
+def _take_rows_fwd(src_ad, index_b, inverse_a):
+    return _take(src_ad, index_b), inverse_a
+
+
+def _take_rows_bwd(inverse_a, g_bd):
+    return _take(g_bd, inverse_a), None, None
+
+
+take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)

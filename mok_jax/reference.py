@@ -119,5 +119,6 @@ def moe_reference(x_td: Array, params: MoEParams, cfg: MoEConfig) -> tuple[Array
         dropped=(
             jnp.zeros((), jnp.int32) if keep_tk is None else jnp.sum(~keep_tk, dtype=jnp.int32)
         ),
+        rounds=jnp.ones((), jnp.int32),
     )
     return y_td.astype(x_td.dtype), aux

@@ -106,7 +106,11 @@ def normalized(weights_tk: Array) -> Array:
 
 def route(x_td: Array, router_de: Array, bias_e: Array, cfg: MoEConfig) -> Routing:
     """Routes T tokens: x [T, D] -> `Routing` (experts and weights [T, K], logits and scores)."""
-    logits_te = router_logits(x_td, router_de)
+    return route_logits(router_logits(x_td, router_de), bias_e, cfg)
+
+
+def route_logits(logits_te: Array, bias_e: Array, cfg: MoEConfig) -> Routing:
+    """Routes T tokens from their router logits f32 [T, E]."""
     scores_te = router_scores(logits_te, cfg)
     experts_tk = select_experts(scores_te, bias_e, cfg)
     return Routing(
@@ -119,7 +123,7 @@ def route(x_td: Array, router_de: Array, bias_e: Array, cfg: MoEConfig) -> Routi
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["aux_loss", "z_loss", "tokens_per_expert", "dropped"],
+    data_fields=["aux_loss", "z_loss", "tokens_per_expert", "dropped", "rounds"],
     meta_fields=[],
 )
 @dataclasses.dataclass(frozen=True)
@@ -131,12 +135,15 @@ class MoEAux:
       z_loss: f32 [] the router z-loss, already times `z_loss_coef`.
       tokens_per_expert: int32 [E] rows routed to each expert, counted before any capacity drop.
       dropped: int32 [] (token, slot) rows dropped by the capacity; 0 when dropless.
+      rounds: int32 [] rounds of the expert-parallel exchange (1 when the receive buffers held
+        every row; more under imbalance; 0 without tokens).
     """
 
     aux_loss: Array
     z_loss: Array
     tokens_per_expert: Array
     dropped: Array
+    rounds: Array
 
     @property
     def loss(self) -> Array:
@@ -144,22 +151,34 @@ class MoEAux:
         return self.aux_loss + self.z_loss
 
 
-def load_balancing_loss(scores_te: Array, tokens_per_expert_e: Array, cfg: MoEConfig) -> Array:
+def _token_mean(values_t: Array, axes: tuple[str, ...]) -> Array:
+    """The mean over the tokens of every device on `axes` (this device's alone when none)."""
+    if not axes:
+        return jnp.mean(values_t, axis=0)
+    total = lax.psum(jnp.sum(values_t, axis=0), axes)
+    return total / (values_t.shape[0] * lax.axis_size(axes))
+
+
+def load_balancing_loss(
+    scores_te: Array, tokens_per_expert_e: Array, cfg: MoEConfig, axes: tuple[str, ...] = ()
+) -> Array:
     """coef * E * sum_e f_e * P_e (f32 []): f_e the share of the T*K routed slots sent to e, P_e
-    the mean over tokens of the scores normalized to sum to 1 per token."""
+    the mean over tokens of the scores normalized to sum to 1 per token. Under shard_map, the
+    tokens are those of every device on `axes` and tokens_per_expert_e must be global."""
     if cfg.aux_loss_coef == 0:
         return jnp.zeros((), jnp.float32)
-    num_slots = scores_te.shape[0] * cfg.top_k
+    num_slots = scores_te.shape[0] * cfg.top_k * (lax.axis_size(axes) if axes else 1)
     f_e = tokens_per_expert_e.astype(jnp.float32) / num_slots
-    p_e = jnp.mean(scores_te / jnp.sum(scores_te, axis=-1, keepdims=True), axis=0)
+    p_e = _token_mean(scores_te / jnp.sum(scores_te, axis=-1, keepdims=True), axes)
     return cfg.aux_loss_coef * cfg.num_experts * jnp.sum(f_e * p_e)
 
 
-def router_z_loss(logits_te: Array, cfg: MoEConfig) -> Array:
-    """coef * mean_t(logsumexp(logits_t)^2) (f32 [])."""
+def router_z_loss(logits_te: Array, cfg: MoEConfig, axes: tuple[str, ...] = ()) -> Array:
+    """coef * mean_t(logsumexp(logits_t)^2) (f32 []), over the tokens of every device on
+    `axes` under shard_map."""
     if cfg.z_loss_coef == 0:
         return jnp.zeros((), jnp.float32)
-    return cfg.z_loss_coef * jnp.mean(jax.nn.logsumexp(logits_te, axis=-1) ** 2)
+    return cfg.z_loss_coef * _token_mean(jax.nn.logsumexp(logits_te, axis=-1) ** 2, axes)
 
 
 def update_router_bias(bias: Array, tokens_per_expert: Array, rate: float) -> Array:

@@ -1,0 +1,285 @@
+"""Fixed-shape row tiles: every row meets its weights in a dot of one shape, on any mesh.
+
+XLA picks a dot's algorithm, and so its summation order, from the dot's shape: on CPU a
+[T, D] x [D, E] product gives different bits for a row when T changes (measured on jax 0.11.2
+for T <= 33, and for narrow E at any T). A row's result must not depend on how many tokens or
+experts a device holds, so every dot here has a shape fixed by the config alone:
+
+  token dots   [TILES_PER_STEP * row_tile, D] x [D, N], one loop step per chunk of tokens
+  expert dots  [TILES_PER_STEP, row_tile, D] x [TILES_PER_STEP, D, F], one expert per tile
+
+Expert groups are padded to whole tiles, each starting at its group's first row, so a tile holds
+the same rows of the same expert whatever the expert-parallel degree.
+
+Invariants:
+  1. A row's forward result and its input gradient are the same bits for every tile count.
+  2. Weight gradients accumulate tile by tile, in tile order, in f32 (no scatter-add); tiles of
+     one expert are in row order, so the order is the rows' order.
+  3. Padding rows are zeros and padding tiles are skipped in the weight gradients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import Array, lax
+
+from mok_jax.experts import dot_precision, swiglu
+from mok_jax.permute import take_rows
+
+# Tiles per loop step: every loop step computes a dot of this many tiles.
+TILES_PER_STEP = 8
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _dot(a: Array, b: Array, dtype: np.dtype) -> Array:
+    return jnp.dot(
+        a.astype(dtype),
+        b.astype(dtype),
+        precision=dot_precision(dtype),
+        preferred_element_type=jnp.float32,
+    )
+
+
+def token_tiled(fn, x_td: Array, row_tile: int):
+    """Applies the token-wise `fn` ([C, D] -> a pytree of [C, ...] arrays, C = TILES_PER_STEP *
+    row_tile) to x [T, D] chunk by chunk (zero-padded), so that every operation inside `fn`,
+    its reductions over a token's values included, has the same shape on every mesh.
+    -> the pytree of [T, ...] arrays."""
+    num_tokens = x_td.shape[0]
+    chunk = TILES_PER_STEP * row_tile
+    padded = _round_up(max(num_tokens, 1), chunk)
+    x_ccd = jnp.pad(x_td, ((0, padded - num_tokens), (0, 0))).reshape(padded // chunk, chunk, -1)
+    out = lax.map(fn, x_ccd)
+    return jax.tree.map(lambda a: a.reshape(padded, *a.shape[2:])[:num_tokens], out)
+
+
+def token_dot(x_td: Array, w_dn: Array, dtype: np.dtype, row_tile: int) -> Array:
+    """x [T, D] @ w [D, N] -> f32 [T, N] in fixed-shape chunks (inputs cast to `dtype`)."""
+    return token_tiled(lambda x_cd: _dot(x_cd, w_dn, dtype), x_td, row_tile)
+
+
+def token_swiglu(
+    x_td: Array, w_gate_df: Array, w_up_df: Array, w_down_fd: Array, dtype: np.dtype, row_tile: int
+) -> Array:
+    """The shared experts' SwiGLU on every token, in fixed-shape chunks: -> f32 [T, D]."""
+
+    def chunk_fn(x_cd):
+        h_cf = swiglu(_dot(x_cd, w_gate_df, dtype), _dot(x_cd, w_up_df, dtype))
+        return _dot(h_cf, w_down_fd, dtype)
+
+    return token_tiled(chunk_fn, x_td, row_tile)
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["slot_row_q", "row_slot_r", "tile_expert_u", "tile_used_u"],
+    meta_fields=["row_tile"],
+)
+@dataclasses.dataclass(frozen=True)
+class TileLayout:
+    """Where R rows (each of one local expert, or of none) sit in expert tiles.
+
+    Q = U * row_tile slots in U tiles; U is a static bound: ceil(R / row_tile) + G, rounded up
+    to whole loop steps. All int32 but tile_used_u (bool).
+
+    Attributes:
+      slot_row_q: [Q] the row in each slot, -1 for padding.
+      row_slot_r: [R] the slot of each row, -1 for rows of no expert.
+      tile_expert_u: [U] the local expert of each tile (G-1 for unused tiles).
+      tile_used_u: [U] whether the tile holds any row.
+      row_tile: rows per tile.
+    """
+
+    slot_row_q: Array
+    row_slot_r: Array
+    tile_expert_u: Array
+    tile_used_u: Array
+    row_tile: int
+
+
+def tile_layout(expert_r: Array, num_local: int, row_tile: int) -> TileLayout:
+    """Lays out rows by expert: expert_r int32 [R] in [0, G] (G: the row is padding).
+
+    Rows of one expert keep their order; each expert's rows start a new tile.
+    """
+    num_rows = expert_r.shape[0]
+    num_tiles = _round_up(-(-num_rows // row_tile) + num_local, TILES_PER_STEP)
+    order_r = jnp.argsort(expert_r, stable=True).astype(jnp.int32)
+    sorted_expert_r = expert_r[order_r]
+    expert_ids = jnp.arange(num_local, dtype=jnp.int32)
+    starts_g = jnp.searchsorted(sorted_expert_r, expert_ids, side="left").astype(jnp.int32)
+    sizes_g = jnp.searchsorted(sorted_expert_r, expert_ids, side="right").astype(jnp.int32)
+    sizes_g = sizes_g - starts_g
+    tiles_g = (sizes_g + row_tile - 1) // row_tile
+    tile_ends_g = jnp.cumsum(tiles_g, dtype=jnp.int32)
+    tile_starts_g = tile_ends_g - tiles_g
+    # Slot -> row (gathers only).
+    tile_u = jnp.arange(num_tiles, dtype=jnp.int32)
+    tile_expert_u = jnp.searchsorted(tile_ends_g, tile_u, side="right").astype(jnp.int32)
+    tile_used_u = tile_expert_u < num_local
+    tile_expert_u = jnp.minimum(tile_expert_u, num_local - 1)
+    slot_q = jnp.arange(num_tiles * row_tile, dtype=jnp.int32)
+    expert_q = tile_expert_u[slot_q // row_tile]
+    rank_q = slot_q - tile_starts_g[expert_q] * row_tile
+    slot_ok_q = tile_used_u[slot_q // row_tile] & (rank_q < sizes_g[expert_q])
+    slot_row_q = jnp.where(
+        slot_ok_q, order_r[jnp.clip(starts_g[expert_q] + rank_q, 0, num_rows - 1)], -1
+    )
+    # Row -> slot.
+    inverse_r = (
+        jnp.zeros_like(order_r)
+        .at[order_r]
+        .set(jnp.arange(num_rows, dtype=jnp.int32), unique_indices=True)
+    )
+    clipped_r = jnp.minimum(expert_r, num_local - 1)
+    row_slot_r = tile_starts_g[clipped_r] * row_tile + inverse_r - starts_g[clipped_r]
+    row_slot_r = jnp.where(expert_r < num_local, row_slot_r, -1)
+    return TileLayout(
+        slot_row_q=slot_row_q.astype(jnp.int32),
+        row_slot_r=row_slot_r.astype(jnp.int32),
+        tile_expert_u=tile_expert_u,
+        tile_used_u=tile_used_u,
+        row_tile=row_tile,
+    )
+
+
+def tiled_experts(
+    x_rd: Array,
+    w_gate_gdf: Array,
+    w_up_gdf: Array,
+    w_down_gfd: Array,
+    layout: TileLayout,
+    dtype: np.dtype,
+) -> Array:
+    """SwiGLU of each row with its expert's weights: x [R, D] -> f32 [R, D] (0 for rows of no
+    expert), through the tiles of `layout`."""
+    x_qd = take_rows(x_rd.astype(dtype), layout.slot_row_q, layout.row_slot_r)
+    num_tiles = layout.tile_expert_u.shape[0]
+    x_utd = x_qd.reshape(num_tiles, layout.row_tile, -1)
+    y_utd = _tiled_swiglu(
+        x_utd, w_gate_gdf, w_up_gdf, w_down_gfd, layout.tile_expert_u, layout.tile_used_u, dtype
+    )
+    return take_rows(
+        y_utd.reshape(num_tiles * layout.row_tile, -1), layout.row_slot_r, layout.slot_row_q
+    )
+
+
+def _steps(a: Array) -> Array:
+    """[U, ...] -> [U / TILES_PER_STEP, TILES_PER_STEP, ...]."""
+    return a.reshape(-1, TILES_PER_STEP, *a.shape[1:])
+
+
+def _bdot(spec: str, a: Array, b: Array, dtype: np.dtype) -> Array:
+    return jnp.einsum(
+        spec,
+        a.astype(dtype),
+        b.astype(dtype),
+        precision=dot_precision(dtype),
+        preferred_element_type=jnp.float32,
+    )
+
+
+def _step_forward(x_btd, w_gate_bdf, w_up_bdf, w_down_bfd, dtype):
+    gate_btf = _bdot("btd,bdf->btf", x_btd, w_gate_bdf, dtype)
+    up_btf = _bdot("btd,bdf->btf", x_btd, w_up_bdf, dtype)
+    h_btf = swiglu(gate_btf, up_btf).astype(dtype)
+    return gate_btf, up_btf, h_btf, _bdot("btf,bfd->btd", h_btf, w_down_bfd, dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _tiled_swiglu(x_utd, w_gate_gdf, w_up_gdf, w_down_gfd, tile_expert_u, tile_used_u, dtype):
+    def step(args):
+        x_btd, expert_b = args
+        weights = (w_gate_gdf[expert_b], w_up_gdf[expert_b], w_down_gfd[expert_b])
+        return _step_forward(x_btd, *weights, dtype)[3]
+
+    y_sbtd = lax.map(step, (_steps(x_utd), _steps(tile_expert_u)))
+    return y_sbtd.reshape(x_utd.shape[0], x_utd.shape[1], -1)
+
+
+def _tiled_swiglu_fwd(x_utd, w_gate_gdf, w_up_gdf, w_down_gfd, tile_expert_u, tile_used_u, dtype):
+    y_utd = _tiled_swiglu(
+        x_utd, w_gate_gdf, w_up_gdf, w_down_gfd, tile_expert_u, tile_used_u, dtype
+    )
+    return y_utd, (x_utd, w_gate_gdf, w_up_gdf, w_down_gfd, tile_expert_u, tile_used_u)
+
+
+def _accumulate(acc_gxy: Array, part_bxy: Array, expert_b: Array, used_b: Array) -> Array:
+    """acc[expert_b[i]] += part[i] for i in order, skipping unused tiles (no scatter-add)."""
+
+    def add(i, acc):
+        e = expert_b[i]
+        new = lax.dynamic_index_in_dim(acc, e, keepdims=False) + part_bxy[i]
+        new = jnp.where(used_b[i], new, lax.dynamic_index_in_dim(acc, e, keepdims=False))
+        return lax.dynamic_update_index_in_dim(acc, new, e, 0)
+
+    return lax.fori_loop(0, part_bxy.shape[0], add, acc_gxy)
+
+
+def varying_axes(a: Array) -> frozenset[str]:
+    """The mesh axes `a` varies over inside shard_map (none outside)."""
+    return frozenset(jax.typeof(a).manual_axis_type.varying)
+
+
+def vary(a: Array, axes: frozenset[str]) -> Array:
+    """`a`, made to vary over `axes` too (its gradient is then summed over them)."""
+    missing = tuple(sorted(axes - varying_axes(a)))
+    return lax.pcast(a, missing, to="varying") if missing else a
+
+
+def _zeros_varying_like(shape: tuple[int, ...], *arrays: Array) -> Array:
+    """f32 zeros that vary over every mesh axis one of `arrays` varies over (inside shard_map,
+    a loop carry must have its updates' type)."""
+    axes = frozenset().union(*(varying_axes(a) for a in arrays))
+    return vary(jnp.zeros(shape, jnp.float32), axes)
+
+
+def _tiled_swiglu_bwd(dtype, residuals, dy_utd):
+    x_utd, w_gate_gdf, w_up_gdf, w_down_gfd, tile_expert_u, tile_used_u = residuals
+
+    def step(accs, args):
+        x_btd, dy_btd, expert_b, used_b = args
+        w_gate_bdf, w_up_bdf, w_down_bfd = (w[expert_b] for w in (w_gate_gdf, w_up_gdf, w_down_gfd))
+        gate_btf, up_btf, h_btf, _ = _step_forward(x_btd, w_gate_bdf, w_up_bdf, w_down_bfd, dtype)
+        dh_btf = _bdot("btd,bfd->btf", dy_btd, w_down_bfd, dtype)
+        sig_btf = jax.nn.sigmoid(gate_btf)
+        dgate_btf = (dh_btf * up_btf * sig_btf * (1.0 + gate_btf * (1.0 - sig_btf))).astype(dtype)
+        dup_btf = (dh_btf * gate_btf * sig_btf).astype(dtype)
+        dx_btd = _bdot("btf,bdf->btd", dgate_btf, w_gate_bdf, dtype) + _bdot(
+            "btf,bdf->btd", dup_btf, w_up_bdf, dtype
+        )
+        parts = (
+            _bdot("btd,btf->bdf", x_btd, dgate_btf, dtype),
+            _bdot("btd,btf->bdf", x_btd, dup_btf, dtype),
+            _bdot("btf,btd->bfd", h_btf, dy_btd, dtype),
+        )
+        accs = tuple(
+            _accumulate(acc, part, expert_b, used_b) for acc, part in zip(accs, parts, strict=True)
+        )
+        return accs, dx_btd
+
+    zeros = tuple(
+        _zeros_varying_like(w.shape, x_utd, dy_utd, w) for w in (w_gate_gdf, w_up_gdf, w_down_gfd)
+    )
+    xs = (_steps(x_utd), _steps(dy_utd), _steps(tile_expert_u), _steps(tile_used_u))
+    (dw_gate, dw_up, dw_down), dx_sbtd = lax.scan(step, zeros, xs)
+    dx_utd = dx_sbtd.reshape(x_utd.shape[0], x_utd.shape[1], -1).astype(x_utd.dtype)
+    return (
+        dx_utd,
+        dw_gate.astype(w_gate_gdf.dtype),
+        dw_up.astype(w_up_gdf.dtype),
+        dw_down.astype(w_down_gfd.dtype),
+        None,
+        None,
+    )
+
+
+_tiled_swiglu.defvjp(_tiled_swiglu_fwd, _tiled_swiglu_bwd)
