@@ -1,0 +1,260 @@
+"""tgmm, the Mosaic GPU weight-gradient kernel: against reference.tgmm under GPU interpret mode on
+CPU, bitwise independence from where a group starts, input validation, CUDA lowering on this
+machine, and GPU-marked twins at real size."""
+
+from __future__ import annotations
+
+import re
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.grouped_matmul import mosaic_gpu_wgrad, reference
+from pallas_kernels.grouped_matmul.mosaic_gpu_wgrad import tgmm
+from pallas_kernels.grouped_matmul.tuning import TileConfig
+
+# f32 accumulation of bf16 products (exact in f32) over at most a few hundred rows: the error is
+# f32 rounding, relative to the output's scale. One table for this file.
+TOLERANCE = {jnp.float32: 2e-6, jnp.bfloat16: 2**-8, jnp.float16: 2**-10}
+
+# Small tiles so that interpret mode exercises several units, both consumers, partial tiles.
+SMALL = TileConfig(
+    block_m=64,
+    block_n=128,
+    block_k=64,
+    max_concurrent_steps=2,
+    delay_release=0,
+    epi_block_m=64,
+    epi_block_n=32,
+)
+SMALL_ONE_CONSUMER = TileConfig(
+    block_m=64, block_n=64, block_k=64, max_concurrent_steps=3, delay_release=0, num_consumers=1
+)
+H200 = jax.sharding.AbstractMesh(
+    (1,),
+    ("x",),
+    abstract_device=jax.sharding.AbstractDevice(
+        device_kind="NVIDIA H200", num_cores=132, platform="gpu"
+    ),
+)
+
+
+def _inputs(seed: int, num_rows: int, num_k: int, num_n: int, dtype=jnp.bfloat16):
+    lhs_key, rhs_key = jax.random.split(jax.random.key(seed))
+    lhs = jax.random.normal(lhs_key, (num_rows, num_k), jnp.float32).astype(dtype)
+    rhs = jax.random.normal(rhs_key, (num_rows, num_n), jnp.float32).astype(dtype)
+    return lhs, rhs
+
+
+def _assert_matches_reference(out, lhs, rhs, group_sizes, out_dtype=jnp.float32):
+    expected = reference.tgmm(lhs, rhs, group_sizes)
+    chex.assert_shape(out, expected.shape)
+    chex.assert_type(out, out_dtype)
+    scale = float(jnp.max(jnp.abs(expected))) or 1.0
+    tol = TOLERANCE[out_dtype]
+    chex.assert_trees_all_close(out.astype(jnp.float32), expected, rtol=tol, atol=tol * scale)
+
+
+@pytest.mark.parametrize(
+    ("num_rows", "num_k", "num_n", "sizes", "config"),
+    [
+        (1, 64, 128, [1], SMALL),  # M smaller than a row block
+        (37, 64, 128, [10, 0, 20], SMALL),  # an empty group, sum < M, M odd
+        (37, 128, 64, [37], SMALL_ONE_CONSUMER),  # one group owns every row
+        (200, 128, 128, [60, 70, 0, 5, 65], SMALL),  # partial blocks, sum = M
+        (200, 64, 64, [64, 8, 80, 40, 0], SMALL_ONE_CONSUMER),  # starts on multiples of 8
+        (200, 128, 128, [0, 0, 0], SMALL),  # no rows at all: zeros written
+        (200, 64, 128, [150, 100, 30], SMALL),  # sum > M: groups clipped at M
+        (200, 128, 64, [3, 190], SMALL),  # N narrower than block_n: columns past N dropped
+    ],
+)
+def test_matches_reference(num_rows, num_k, num_n, sizes, config):
+    lhs, rhs = _inputs(num_rows, num_rows, num_k, num_n)
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    out = tgmm(lhs, rhs, group_sizes, config=config, interpret=True)
+    _assert_matches_reference(out, lhs, rhs, group_sizes)
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float16])
+def test_narrow_outputs_and_f16_inputs(out_dtype):
+    lhs, rhs = _inputs(3, 120, 64, 128, dtype=jnp.float16)
+    group_sizes = jnp.asarray([50, 0, 66], jnp.int32)
+    out = tgmm(lhs, rhs, group_sizes, config=SMALL, out_dtype=out_dtype, interpret=True)
+    _assert_matches_reference(out, lhs, rhs, group_sizes, out_dtype=out_dtype)
+
+
+def test_default_config_under_jit():
+    lhs, rhs = _inputs(4, 300, 128, 256)
+    group_sizes = jnp.asarray([100, 0, 150], jnp.int32)
+    out = jax.jit(lambda a, b, s: tgmm(a, b, s, interpret=True))(lhs, rhs, group_sizes)
+    _assert_matches_reference(out, lhs, rhs, group_sizes)
+
+
+def test_no_races_between_warpgroups():
+    # The interpreter's race detector prints; its private state says whether it found one.
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+    lhs, rhs = _inputs(5, 200, 128, 128)
+    group_sizes = jnp.asarray([60, 0, 77, 50], jnp.int32)
+    params = plgpu.InterpretGPUParams(detect_races=True)
+    out = tgmm(lhs, rhs, group_sizes, config=SMALL, interpret=params)
+    jax.block_until_ready(out)
+    assert not gpu_callbacks.get_races().races_found
+    _assert_matches_reference(out, lhs, rhs, group_sizes)
+
+
+@pytest.mark.parametrize("prepend", [13, 1, 8])
+def test_result_does_not_depend_on_where_groups_start(prepend):
+    """A leading group of `prepend` rows moves every other group; their outputs keep their bits.
+
+    The unshifted groups start on multiples of 8 (the kernel reads them in place); after an odd
+    shift they do not (the wrapper repacks them first): both paths must agree bitwise.
+    """
+    lhs, rhs = _inputs(6, 192, 64, 128)
+    sizes = [64, 0, 72, 40]
+    extra_lhs, extra_rhs = _inputs(7, prepend, 64, 128)
+    shifted = tgmm(
+        jnp.concatenate([extra_lhs, lhs]),
+        jnp.concatenate([extra_rhs, rhs]),
+        jnp.asarray([prepend, *sizes], jnp.int32),
+        config=SMALL,
+        interpret=True,
+    )
+    base = tgmm(lhs, rhs, jnp.asarray(sizes, jnp.int32), config=SMALL, interpret=True)
+    chex.assert_trees_all_equal(shifted[1:], base)
+
+
+def test_rows_outside_groups_do_not_leak():
+    """Rows of no group and of neighbouring groups hold huge values; they must add nothing."""
+    lhs, rhs = _inputs(8, 130, 64, 128)
+    group_sizes = jnp.asarray([3, 101], jnp.int32)
+    ids = reference.group_ids(group_sizes, 130)
+    loud = jnp.where((ids == 2)[:, None], jnp.asarray(1e4, jnp.bfloat16), rhs)
+    out = tgmm(lhs, loud, group_sizes, config=SMALL, interpret=True)
+    _assert_matches_reference(out, lhs, rhs, group_sizes)
+
+
+@pytest.mark.parametrize(
+    ("lhs_shape", "rhs_shape", "dtype", "sizes_dtype", "message"),
+    [
+        ((64, 96), (64, 128), jnp.bfloat16, jnp.int32, "K=96 and N=128 must be"),
+        ((64, 64), (64, 100), jnp.bfloat16, jnp.int32, "K=64 and N=100 must be"),
+        ((64, 64), (65, 64), jnp.bfloat16, jnp.int32, "lhs_mk rows 64 != rhs_mn rows 65"),
+        ((64, 64), (64, 64), jnp.float32, jnp.int32, "must both be bfloat16 or float16"),
+        ((64, 64), (64, 64), jnp.bfloat16, jnp.float32, "group_sizes_g must be int32"),
+        ((64,), (64, 64), jnp.bfloat16, jnp.int32, "must be 2-D"),
+    ],
+)
+def test_bad_inputs_raise(lhs_shape, rhs_shape, dtype, sizes_dtype, message):
+    lhs = jnp.zeros(lhs_shape, dtype)
+    rhs = jnp.zeros(rhs_shape, dtype)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        tgmm(lhs, rhs, jnp.ones((2,), sizes_dtype), interpret=True)
+
+
+def test_bad_out_dtype_and_config_raise():
+    lhs, rhs = jnp.zeros((64, 64), jnp.bfloat16), jnp.zeros((64, 64), jnp.bfloat16)
+    sizes = jnp.ones((2,), jnp.int32)
+    with pytest.raises(ValueError, match="out_dtype=dtype\\('int32'\\) must be"):
+        tgmm(lhs, rhs, sizes, out_dtype=jnp.int32, interpret=True)
+    with pytest.raises(ValueError, match="tgmm needs delay_release=0, got 1"):
+        tgmm(lhs, rhs, sizes, config=TileConfig(delay_release=1), interpret=True)
+
+
+@pytest.mark.parametrize(("num_k", "num_n"), [(2048, 1536), (768, 2048), (64, 64), (192, 320)])
+def test_default_config_fits_the_shape(num_k, num_n):
+    config = mosaic_gpu_wgrad.default_config(num_k, num_n)
+    assert config.delay_release == 0
+    assert num_k % config.block_m == 0 and num_n % config.block_n == 0
+    mosaic_gpu_wgrad.check_config(config)
+
+
+@pytest.mark.parametrize(
+    ("num_rows", "num_k", "num_n", "num_groups", "config"),
+    [
+        (131072, 2048, 1536, 128, None),
+        (
+            131072,
+            2048,
+            1536,
+            128,
+            TileConfig(block_m=128, block_n=256, max_concurrent_steps=3, delay_release=0),
+        ),
+        (37, 64, 128, 3, SMALL),  # M not a multiple of 8: always repacked
+    ],
+)
+def test_lowers_for_cuda(num_rows, num_k, num_n, num_groups, config):
+    """The whole Mosaic GPU lowering (layouts, TMA transforms, SMEM budget) runs on this CPU."""
+    args = (
+        jax.ShapeDtypeStruct((num_rows, num_k), jnp.bfloat16),
+        jax.ShapeDtypeStruct((num_rows, num_n), jnp.bfloat16),
+        jax.ShapeDtypeStruct((num_groups,), jnp.int32),
+    )
+    with jax.sharding.use_abstract_mesh(H200):
+        lowered = (
+            jax.jit(lambda a, b, s: tgmm(a, b, s, config=config))
+            .trace(*args)
+            .lower(lowering_platforms=("cuda",))
+        )
+    assert "mosaic_gpu" in lowered.as_text()
+
+
+# GPU twins at real size (skipped without a GPU).
+
+
+def _uniform_sizes(num_rows: int, num_groups: int, seed: int, align: int = 1) -> np.ndarray:
+    ids = np.random.default_rng(seed).integers(0, num_groups, num_rows)
+    return (np.bincount(ids, minlength=num_groups) // align * align).astype(np.int32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("align", [1, 8])
+def test_gpu_matches_reference(align):
+    lhs, rhs = _inputs(9, 16384, 512, 768)
+    sizes = _uniform_sizes(16284, 16, seed=align, align=align)
+    sizes[3] = 0
+    group_sizes = jnp.asarray(sizes)
+    out = jax.jit(lambda a, b, s: tgmm(a, b, s))(lhs, rhs, group_sizes)
+    _assert_matches_reference(out, lhs, rhs, group_sizes)
+
+
+@pytest.mark.gpu
+def test_gpu_shift_invariant_bitwise():
+    lhs, rhs = _inputs(10, 16384, 512, 768)
+    sizes = _uniform_sizes(15384, 16, seed=2, align=8)
+    run = jax.jit(lambda a, b, s: tgmm(a, b, s))
+    base = run(lhs, rhs, jnp.asarray(sizes))
+    extra_lhs, extra_rhs = _inputs(11, 13, 512, 768)
+    shifted = run(
+        jnp.concatenate([extra_lhs, lhs])[:16384],
+        jnp.concatenate([extra_rhs, rhs])[:16384],
+        jnp.asarray(np.concatenate([[13], sizes]).astype(np.int32)),
+    )
+    chex.assert_trees_all_equal(shifted[1:], base)
+
+
+@pytest.mark.gpu
+def test_gpu_real_size_repeatable_and_correct():
+    num_rows, num_k, num_n, num_groups = 131072, 2048, 1536, 128
+    lhs, rhs = _inputs(12, num_rows, num_k, num_n)
+    sizes = _uniform_sizes(num_rows, num_groups, seed=3)
+    run = jax.jit(lambda a, b, s: tgmm(a, b, s))
+    outs = [np.asarray(run(lhs, rhs, jnp.asarray(sizes))) for _ in range(3)]
+    for other in outs[1:]:
+        np.testing.assert_array_equal(outs[0], other)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    for g in (0, 1, num_groups // 2, num_groups - 1):
+        rows = slice(int(starts[g]), int(starts[g] + sizes[g]))
+        expected = jnp.dot(
+            lhs[rows].astype(jnp.float32).T,
+            rhs[rows].astype(jnp.float32),
+            precision=jax.lax.Precision.HIGHEST,
+        )
+        scale = float(jnp.max(jnp.abs(expected)))
+        chex.assert_trees_all_close(
+            outs[0][g], expected, rtol=TOLERANCE[jnp.float32], atol=1e-5 * scale
+        )
