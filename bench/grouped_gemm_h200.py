@@ -38,6 +38,7 @@ import functools
 import importlib
 import inspect
 import json
+import logging
 import math
 import os
 import pathlib
@@ -320,6 +321,8 @@ def _import_tokamax():
     import tokamax  # optional, absent on CPU machines
     from tokamax._src.ops.ragged_dot import base
 
+    # One "autotuning cache miss" warning per call (no H200 entries: heuristics configs).
+    logging.getLogger("absl").setLevel(logging.ERROR)
     return tokamax, base
 
 
@@ -668,6 +671,8 @@ class Bench:
             )
 
             def build():
+                if product == "wgrad":
+                    self._xla_dense_guard(product)
                 fn = functools.partial(
                     jax.lax.ragged_dot_general, ragged_dot_dimension_numbers=numbers
                 )
@@ -677,10 +682,27 @@ class Bench:
         if product == "backward":
 
             def vjp_build():
+                self._xla_dense_guard(product)
                 return self._vjp_runner(lambda a, b: jax.lax.ragged_dot(a, b, p.gs))
 
             return [Candidate("xla ragged_dot VJP", "xla", vjp_build)]
         return []
+
+    def _xla_dense_guard(self, product: str) -> None:
+        """XLA:GPU lowers the ragged-contracting dot (the weight gradient) through dense
+        per-group operands, bf16[G, M, K] and bf16[G, M, N] (its VJP adds a bf16[M, G, K]
+        transpose): seen in the HLO of its out-of-memory failures on the H200 (2026-11-30).
+        Refuse up front what cannot fit rather than spend compile and autotuning time."""
+        s = self.p.shape
+        widths = s.k + s.n + (s.k if product == "backward" else 0)
+        need = s.g * s.m * widths * 2
+        available = _jax_memory_available()
+        if available is not None and need > available:
+            raise NotAvailable(
+                f"XLA's {product} builds dense per-group operands of {need / 2**30:.0f} GiB "
+                f"(G*M*{widths} bf16), {available / 2**30:.0f} GiB free for JAX (it ran out of "
+                "memory in XLA's autotuner at this shape on 2026-11-30)"
+            )
 
     def candidates(self, product: str) -> list[Candidate]:
         by_family = {
@@ -756,7 +778,37 @@ def subset_reference(p: Problem, product: str, *, cap: int) -> tuple[Subset, ...
     raise ValueError(product)
 
 
-def check(outs: tuple, full: tuple | None, subsets: tuple[Subset, ...]) -> dict:
+@jax.jit
+def _excess_by_group(out, ref, group_of_row):
+    """Per group, the largest |out - ref| - TOL |ref| over its elements, in units of rms(ref)."""
+    o, r = out.astype(jnp.float32), ref.astype(jnp.float32)
+    excess = jnp.abs(o - r) - TOL * jnp.abs(r)
+    excess = excess / (jnp.sqrt(jnp.mean(r * r)) + jnp.float32(1e-30))
+    if out.ndim == 3:  # [G, K, N]
+        return jnp.max(excess, axis=(1, 2))
+    per_row = jnp.max(excess, axis=1)
+    return jax.ops.segment_max(per_row, group_of_row, num_segments=group_of_row.shape[0])
+
+
+def failure_detail(out: jax.Array, ref: jax.Array, sizes: np.ndarray) -> dict:
+    """Which groups fail (for a failed check): their count, the first few, their sizes."""
+    if out.shape != ref.shape:
+        return {}
+    group_of_row = np.repeat(np.arange(len(sizes)), sizes)
+    group_of_row = np.pad(group_of_row, (0, max(0, out.shape[0] - len(group_of_row))))
+    ids = jnp.asarray(group_of_row[: out.shape[0]], jnp.int32)
+    excess = np.asarray(_excess_by_group(out, ref, ids))[: len(sizes)]
+    bad = np.flatnonzero(~(excess <= TOL))
+    return {
+        "bad_groups": len(bad),
+        "of_groups": len(sizes),
+        "first_bad": bad[:12].tolist(),
+        "their_sizes": sizes[bad[:12]].tolist(),
+        "their_excess_over_rms": [round(float(e), 4) for e in excess[bad[:12]]],
+    }
+
+
+def check(outs: tuple, full: tuple | None, subsets: tuple[Subset, ...], sizes: np.ndarray) -> dict:
     result: dict[str, Any] = {"ok": True, "parts": []}
     if len(outs) != len(subsets):
         return {"ok": False, "why": f"{len(outs)} outputs, expected {len(subsets)}"}
@@ -764,6 +816,8 @@ def check(outs: tuple, full: tuple | None, subsets: tuple[Subset, ...]) -> dict:
         part: dict[str, Any] = {}
         if full is not None:
             part["vs_full_reference"] = compare(out, full[i])
+            if not part["vs_full_reference"]["ok"]:
+                part["vs_full_reference"]["detail"] = failure_detail(out, full[i], sizes)
         picked = out[jnp.asarray(subset.index)]
         part["vs_reference_subset"] = compare(picked, subset.ref)
         part["ok"] = all(c["ok"] for c in part.values())
@@ -854,13 +908,18 @@ class Clock:
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0
 
+    def allows_anything(self) -> bool:
+        return self.elapsed() < self.budget_s
+
     def allows(self, cand: Candidate) -> bool:
         # Extras go first when time runs short: they stop at 70% of the budget.
         limit = self.budget_s * (0.7 if cand.extra else 1.0)
         return self.elapsed() < limit
 
 
-def run_candidate(cand: Candidate, *, product, full, subsets, args, clock) -> tuple[dict, tuple]:
+def run_candidate(
+    cand: Candidate, *, product, full, subsets, sizes, args, clock
+) -> tuple[dict, tuple]:
     """Build, check, repeat (bitwise), time. Returns the record and the checked outputs."""
     rec: dict[str, Any] = {"name": cand.name, "family": cand.family, "extra": cand.extra}
     if cand.config:
@@ -885,7 +944,7 @@ def run_candidate(cand: Candidate, *, product, full, subsets, args, clock) -> tu
         first = runner.call()
         runner.sync(first)
         outs = runner.to_jax(first)
-        rec["check"] = check(outs, full, subsets)
+        rec["check"] = check(outs, full, subsets, sizes)
         same = True
         for _ in range(args.repeats - 1):
             again = runner.to_jax(runner.call())
@@ -903,10 +962,12 @@ def run_candidate(cand: Candidate, *, product, full, subsets, args, clock) -> tu
         rec["status"] = f"error: {type(e).__name__}: {e}"[:1500]
         rec["traceback"] = traceback.format_exc()[-3000:]
     rec["wall_s"] = round(time.perf_counter() - t_start, 2)
+    rec["t_end_s"] = round(clock.elapsed(), 1)
     return rec, outs
 
 
-def run_problem(shape: Shape, args, clock: Clock, torch_mod) -> dict:
+def run_problem(shape: Shape, args, clock: Clock, torch_mod, save: Callable[[dict], None]) -> dict:
+    """All products of one shape; `save(partial_result)` after each product."""
     t0 = time.perf_counter()
     p = make_problem(shape, torch_mod)
     bench = Bench(args, p)
@@ -938,6 +999,9 @@ def run_problem(shape: Shape, args, clock: Clock, torch_mod) -> dict:
     for product in args.products:
         if product == "swiglu" and not shape.gate_up:
             continue
+        if not clock.allows_anything():
+            result["products"][product] = {"skipped": f"time budget ({clock.elapsed():.0f} s)"}
+            continue
         flops, nbytes = product_cost(shape, product)
         subsets = subset_reference(p, product, cap=args.subset_rows)
         entry: dict[str, Any] = {"flops": flops, "min_bytes_bf16_out": nbytes, "candidates": []}
@@ -948,7 +1012,13 @@ def run_problem(shape: Shape, args, clock: Clock, torch_mod) -> dict:
                 full = full_reference(p, product)
                 entry["full_reference"] = "xla ragged_dot / reference.tgmm in f32 (no torch)"
             rec, outs = run_candidate(
-                cand, product=product, full=full, subsets=subsets, args=args, clock=clock
+                cand,
+                product=product,
+                full=full,
+                subsets=subsets,
+                sizes=p.sizes,
+                args=args,
+                clock=clock,
             )
             if cand.family == "torch" and rec.get("check", {}).get("ok"):
                 full = outs  # torch's result: the all-elements reference of the others
@@ -956,12 +1026,22 @@ def run_problem(shape: Shape, args, clock: Clock, torch_mod) -> dict:
             if "timing" in rec:
                 rec["tflops"] = flops / (rec["timing"]["median_ms"] * 1e-3) / 1e12
             entry["candidates"].append(rec)
-            _print_rec(product, rec)
+            torch_ms = next(
+                (
+                    c["timing"]["median_ms"]
+                    for c in entry["candidates"]
+                    if c["family"] == "torch" and "timing" in c
+                ),
+                None,
+            )
+            _print_rec(product, rec, torch_ms)
         _ratios(entry)
         if product == "backward":
             _derive_ours_backward(result["products"], entry)
         result["products"][product] = entry
         del full, subsets
+        result["wall_s"] = round(time.perf_counter() - t0, 1)
+        save(result)
     result["wall_s"] = round(time.perf_counter() - t0, 1)
     del p, bench
     if torch_mod is not None and jax.default_backend() == "gpu":
@@ -1019,19 +1099,28 @@ def _find(entry: dict | None, name: str) -> dict | None:
     return None
 
 
-def _print_rec(product: str, rec: dict) -> None:
+def _print_rec(product: str, rec: dict, torch_ms: float | None) -> None:
+    when = f"t={rec.get('t_end_s', 0):.0f}s"
     if "timing" in rec:
         t = rec["timing"]
-        ratio = f" {rec['x_torch']:.2f}x torch" if "x_torch" in rec else ""
+        ratio = f" {torch_ms / t['median_ms']:.2f}x torch" if torch_ms else ""
         bits = "bitwise" if rec["bitwise_repeatable"]["identical"] else "NOT bitwise"
         print(
             f"  {product:8s} {rec['name']:40s} {t['median_ms']:9.3f} ms "
             f"{rec.get('tflops', 0):7.1f} TFLOP/s{ratio} [{bits}; compile "
-            f"{rec.get('compile_s', 0):.1f} s]",
+            f"{rec.get('compile_s', 0):.1f} s; {when}]",
             flush=True,
         )
-    else:
-        print(f"  {product:8s} {rec['name']:40s} {rec['status'][:160]}", flush=True)
+        return
+    print(f"  {product:8s} {rec['name']:40s} {rec['status'][:160]} [{when}]", flush=True)
+    for part in rec.get("check", {}).get("parts", []):
+        if not part["ok"]:
+            brief = {
+                k: {x: v[x] for x in ("ok", "rel_fro", "max_err_over_rms", "detail") if x in v}
+                for k, v in part.items()
+                if isinstance(v, dict)
+            }
+            print(f"    check: {json.dumps(brief)[:900]}", flush=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1161,8 +1250,8 @@ def render_markdown(results: dict) -> str:
         cells, bits = [], []
         for product in PRODUCTS:
             entry = s["products"].get(product)
-            if entry is None:
-                cells.append("-")
+            if entry is None or "candidates" not in entry:
+                cells.append("-" if entry is None else "skipped (time)")
                 continue
             ours = [c for c in entry["candidates"] if c["family"] == "ours" and not c["extra"]]
             if main[product]:
@@ -1188,7 +1277,7 @@ def render_markdown(results: dict) -> str:
     ]
     for s in results["shapes"]:
         entry = s["products"].get("forward")
-        if not entry:
+        if not entry or "candidates" not in entry:
             continue
         for row in design_deviation(s["shape"], entry):
             got = "-" if row["measured"] is None else f"{row['measured']:.1f}"
@@ -1215,7 +1304,7 @@ def render_markdown(results: dict) -> str:
             "| --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for product, entry in s["products"].items():
-            for c in entry["candidates"]:
+            for c in entry.get("candidates", []):
                 t = c.get("timing", {})
                 span = f"{t['min_ms']:.3f}-{t['max_ms']:.3f}" if "min_ms" in t else "-"
                 tf = f"{c['tflops']:.1f}" if "tflops" in c else "-"
@@ -1227,6 +1316,12 @@ def render_markdown(results: dict) -> str:
                     f"{_status_cell(c)} | {config} |"
                 )
     return "\n".join(lines) + "\n"
+
+
+def _save_partial(results: dict, index: int, clock, out_dir: pathlib.Path, shape: dict) -> None:
+    results["shapes"][index:] = [shape]
+    results["elapsed_s"] = round(clock.elapsed(), 1)
+    write_results(results, out_dir)
 
 
 def write_results(results: dict, out_dir: pathlib.Path) -> None:
@@ -1333,9 +1428,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
             results["ceilings"] = {"error": repr(e)}
         print("ceilings:", results["ceilings"], flush=True)
     for shape in args.shape_list:
-        results["shapes"].append(run_problem(shape, args, clock, torch_mod))
-        results["elapsed_s"] = round(clock.elapsed(), 1)
-        write_results(results, args.out)
+        if not clock.allows_anything():
+            results.setdefault("shapes_skipped", []).append(shape.name)
+            continue
+        save = functools.partial(_save_partial, results, len(results["shapes"]), clock, args.out)
+        save(run_problem(shape, args, clock, torch_mod, save))
     write_results(results, args.out)
     print(f"wrote {args.out}/grouped_gemm_h200.{{json,md}} after {clock.elapsed():.0f} s")
     return results

@@ -4,7 +4,8 @@
 #   bash bench/grouped_gemm_h200.sh
 # Extra arguments go to bench/grouped_gemm_h200.py (e.g. --families torch,tokamax,xla).
 # Installs the carried wheels (tokamax and the small pure-Python packages the image lacks),
-# runs the benchmark, and copies its results and log to $OUT (or ./bench-out).
+# runs the benchmark writing its results and log to $OUT (or ./bench-out; rewritten after every
+# product, so a run cut short still returns its numbers), then copies them to bench/results/.
 set -uo pipefail
 out="${OUT:-bench-out}"
 mkdir -p "$out" bench/results
@@ -22,8 +23,8 @@ export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
   nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw,memory.used \
     --format=csv
 } 2>&1 | tee "$out/device.txt"
-python3 -m bench.grouped_gemm_h200 --out bench/results "$@" 2>&1 | tee "$out/grouped_gemm_h200.log"
+python3 -m bench.grouped_gemm_h200 --out "$out" "$@" 2>&1 | tee "$out/grouped_gemm_h200.log"
 rc=${PIPESTATUS[0]}
-cp bench/results/grouped_gemm_h200.json bench/results/grouped_gemm_h200.md "$out/" 2>/dev/null
+cp "$out/grouped_gemm_h200.json" "$out/grouped_gemm_h200.md" bench/results/ 2>/dev/null
 nvidia-smi --query-gpu=clocks.sm,temperature.gpu,power.draw --format=csv 2>&1 >>"$out/device.txt"
 exit "$rc"
