@@ -12,7 +12,8 @@ import pytest
 
 from bench import grouped_gemm_h200 as bench
 
-SMOKE = ("--smoke", "--no-ceilings", "--products", "forward,dgrad,wgrad,backward")
+FOUR = "forward,dgrad,wgrad,backward"
+SMOKE = ("--smoke", "--no-ceilings", "--products", FOUR, "--xla-products", FOUR)
 
 
 def test_uniform_group_sizes_sum_to_m_and_repeat():
