@@ -68,3 +68,48 @@ def dense_swiglu(
 
     h_tf = swiglu(dense(x_td, w_gate_df), dense(x_td, w_up_df))
     return dense(h_tf, w_down_fd)
+
+
+def grouped_swiglu_pallas(
+    x_nd: Array,
+    w_gate_edf: Array,
+    w_up_edf: Array,
+    w_down_efd: Array,
+    group_sizes_e: Array,
+    dtype: np.dtype,
+    weights_n: Array | None = None,
+    *,
+    interpret: bool = False,
+) -> Array:
+    """Rows sorted by expert [N, D] -> f32 [N, D], with the Mosaic GPU grouped-GEMM kernels.
+
+    The contract of `grouped_swiglu_ragged` (module docstring), differentiable (custom VJPs that
+    run kernels forward and backward). Gate and up run in one kernel with SwiGLU in its
+    epilogue; with `weights_n` (f32 [N]) the down projection's epilogue multiplies each row by
+    its weight (in f32) and the weighted rows are returned, and `weights_n` gets a gradient.
+    Rows past sum(group_sizes_e) come out as zeros. `dtype` must be bfloat16 or float16; D and F
+    must be multiples of 64 (the defaults table's tiles narrow to fit). `interpret=True` runs the
+    kernels under GPU interpret mode (CPU tests).
+
+    Example:
+      y_nd = grouped_swiglu_pallas(x, w_gate, w_up, w_down, sizes, jnp.bfloat16, weights_n=w)
+    """
+    # Imported here: the kernels load only when the pallas implementation runs.
+    from pallas_kernels.grouped_matmul import ops as grouped_ops
+
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise ValueError(f"dtype={jnp.dtype(dtype).name} must be bfloat16 or float16")
+    x_nd = x_nd.astype(dtype)
+    h_nf = grouped_ops.gmm_swiglu(
+        x_nd, w_gate_edf.astype(dtype), w_up_edf.astype(dtype), group_sizes_e, interpret=interpret
+    )
+    if weights_n is not None:
+        weights_n = weights_n.astype(jnp.float32)
+    return grouped_ops.gmm(
+        h_nf,
+        w_down_efd.astype(dtype),
+        group_sizes_e,
+        row_scale_m=weights_n,
+        out_dtype=jnp.float32,
+        interpret=interpret,
+    )

@@ -15,8 +15,14 @@ from typing import Literal
 import jax
 
 GridMinorDim = Literal["m", "n"]
-ShapeClass = Literal["gmm", "gmm_transposed", "gmm_swiglu", "tgmm"]
-SHAPE_CLASSES: tuple[ShapeClass, ...] = ("gmm", "gmm_transposed", "gmm_swiglu", "tgmm")
+ShapeClass = Literal["gmm", "gmm_out_f32", "gmm_transposed", "gmm_swiglu", "tgmm"]
+SHAPE_CLASSES: tuple[ShapeClass, ...] = (
+    "gmm",
+    "gmm_out_f32",
+    "gmm_transposed",
+    "gmm_swiglu",
+    "tgmm",
+)
 
 # Shared memory a block may use on sm90 (227 KiB), less a margin for barriers and scalars.
 SMEM_BYTES_SM90 = 227 * 1024 - 1024
@@ -158,20 +164,56 @@ def persistent_grid_size(device: jax.Device | None = None) -> int:
 
 # Measured winners go here (bench/results/*_gmm_tuning_h200.json has the sweep behind them).
 DEFAULT_CONFIGS: dict[tuple[ShapeClass, str], TileConfig] = {
-    ("gmm", "NVIDIA H200"): TileConfig(),
-    ("gmm_transposed", "NVIDIA H200"): TileConfig(),
-    ("gmm_swiglu", "NVIDIA H200"): TileConfig(block_n=128, epi_block_n=64),
+    # Bands of 16 row tiles, all column tiles of a band before the next band (L2 reuse of the
+    # lhs rows and of a group's weights): 628 -> 726 TFLOP/s on mixtral gate_up, 636 -> 700 on
+    # dsv3 gate_up, 597 -> 681 on dsv3 down (H200, 2026-11-30).
+    ("gmm", "NVIDIA H200"): TileConfig(grid_minor_dim="m", grid_tile_width=16),
+    # An f32 output doubles the epilogue buffers: one stage fewer.
+    ("gmm_out_f32", "NVIDIA H200"): TileConfig(
+        max_concurrent_steps=3, grid_minor_dim="m", grid_tile_width=16
+    ),
+    ("gmm_transposed", "NVIDIA H200"): TileConfig(grid_minor_dim="m", grid_tile_width=16),
+    ("gmm_swiglu", "NVIDIA H200"): TileConfig(
+        block_n=128, epi_block_n=64, grid_minor_dim="m", grid_tile_width=16
+    ),
     # tgmm (the weight gradient, in mosaic_gpu_wgrad.py): block_m tiles K, block_n tiles N and
     # block_k steps over a group's rows.
     ("tgmm", "NVIDIA H200"): TileConfig(block_m=128, block_n=128, block_k=64),
 }
 
 
-def default_config(shape_class: ShapeClass, device: jax.Device | None = None) -> TileConfig:
-    """The table's config for `shape_class` on `device` (the target device kind if unknown)."""
+def gmm_shape_class(*, transpose_rhs: bool, out_dtype) -> ShapeClass:
+    """The shape class of a `gmm` call (an f32 output needs more epilogue buffers)."""
+    if jax.numpy.dtype(out_dtype).itemsize == 4:
+        return "gmm_out_f32"
+    return "gmm_transposed" if transpose_rhs else "gmm"
+
+
+# GPU interpret mode on a CPU: small tiles and a few programs, so that tests run in seconds.
+INTERPRET = "interpret"
+_INTERPRET_CONFIG = TileConfig(
+    block_m=64,
+    block_n=128,
+    block_k=64,
+    max_concurrent_steps=2,
+    epi_block_m=64,
+    epi_block_n=64,
+    grid_size=3,
+)
+for _shape_class in SHAPE_CLASSES:
+    DEFAULT_CONFIGS[(_shape_class, INTERPRET)] = _INTERPRET_CONFIG
+# mosaic_gpu_wgrad.tgmm runs delay_release=0 only.
+DEFAULT_CONFIGS[("tgmm", INTERPRET)] = dataclasses.replace(_INTERPRET_CONFIG, delay_release=0)
+
+
+def default_config(
+    shape_class: ShapeClass, device: jax.Device | None = None, *, interpret: bool = False
+) -> TileConfig:
+    """The table's config for `shape_class` on `device` (the target device kind if unknown),
+    or for GPU interpret mode."""
     if shape_class not in SHAPE_CLASSES:
         raise ValueError(f"{shape_class=} must be one of {SHAPE_CLASSES}")
-    kind = resolve_device_kind(device)
+    kind = INTERPRET if interpret else resolve_device_kind(device)
     config = DEFAULT_CONFIGS.get((shape_class, kind))
     if config is None:
         config = DEFAULT_CONFIGS[(shape_class, TARGET_DEVICE_KIND)]

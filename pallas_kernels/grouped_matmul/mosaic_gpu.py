@@ -1,0 +1,534 @@
+"""Grouped matmuls on Hopper (sm90) with Pallas Mosaic GPU: forward, dgrad and fused SwiGLU.
+
+  gmm         out[m] = lhs[m] @ rhs[g(m)]          [M, K] x [G, K, N] -> [M, N]
+              (rhs[g(m)].T with transpose_rhs: rhs [G, N, K]; the input gradient of gmm)
+              optionally each row times row_scale[m] (the routing weight), in f32
+  gmm_swiglu  h[m] = silu(lhs[m] @ w_gate[g]) * (lhs[m] @ w_up[g])   -> [M, F]
+
+One persistent kernel per call: `grid_size` programs (one per streaming multiprocessor) walk a
+list of output tiles. A program has one producer warpgroup issuing TMA loads of [block_m,
+block_k] lhs and [block_k, block_n] rhs tiles into a ring of shared-memory stages, and one or two
+consumer warpgroups issuing wgmma on them into f32 register accumulators, each owning
+block_n // num_consumers columns of the tile; the epilogue (SwiGLU, row scale, cast) runs on the
+accumulators and TMA-stores through shared memory.
+
+Invariants (numbered; the tests check each):
+  1. Row tiles start at their group's first row rounded down to a multiple of 8 (TMA into
+     8-row-tiled shared memory addresses whole 8-row tiles): tile j of group g loads rows
+     [base_g + j * block_m, base_g + (j + 1) * block_m), base_g = start_g - start_g % 8.
+     Every row of a group runs through the same K steps (invariant 3) and wgmma computes each
+     output row from its own lhs row only, so a row's bits do not depend on where its group
+     starts in M. When every group starts on a multiple of 8 (groups padded to 8 rows, as the
+     expert-parallel layer can lay them out) this is structural: the row sits at the same
+     position of an identical tile. Otherwise the row's position in its tile shifts by
+     start_g % 8 and the claim rests on wgmma treating every row alike, which
+     test_gpu_row_bits_do_not_depend_on_where_the_group_starts checks on the hardware.
+  2. Each output element has exactly one writer: a tile stores only its group's rows (a ladder
+     of power-of-two TMA stores), columns are split between consumers, and rows past
+     sum(group_sizes) are written once, with zeros, by the tiles of a pseudo-group G.
+  3. Fixed reduction order: every output tile runs the K steps 0, 1, ..., K/block_k - 1 into
+     one f32 accumulator. No split-K, no atomics.
+  4. Rows the tile loads beyond its group (the next group's rows, or zeros past M that TMA
+     fills in) are computed and never stored; they do not touch the group's rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import Array, lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.grouped_matmul import tuning
+from pallas_kernels.grouped_matmul.tuning import TileConfig
+
+INPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_SWIZZLE_BYTES = 128
+_PRODUCER_REGISTERS = 40
+_ROW_ALIGN = 8  # a TMA load into 8-row-tiled shared memory starts at a multiple of 8 rows
+
+
+# ----------------------------------------------------------------------------------------------
+# The tile schedule (plain JAX, G-sized work before the kernel).
+
+
+def group_bounds(group_sizes_g: Array, *, num_rows: int) -> tuple[Array, Array]:
+    """int32 (starts_x, ends_x), each [G + 1]: the rows [start, end) of each group, clamped to
+    the first num_rows rows, then of the pseudo-group G that holds the rows past every group."""
+    ends_g = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes_g.astype(jnp.int32), 0)), num_rows)
+    ends_x = jnp.concatenate([ends_g, jnp.full((1,), num_rows, jnp.int32)])
+    starts_x = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends_x[:-1]])
+    return starts_x, ends_x
+
+
+def tile_schedule(group_sizes_g: Array, *, num_rows: int, block_m: int) -> tuple[Array, Array]:
+    """The row tiles of every group, in group order, then those of the rows of no group.
+
+    Returns int32 (group_t, row0_t), each [cdiv(num_rows, block_m) + G]: tile t loads rows
+    [row0_t, row0_t + block_m) and stores those of them in group group_t (G: the rows past every
+    group, stored as zeros). A group's first tile starts at its first row rounded down to a
+    multiple of 8 (TMA into 8-row-tiled shared memory needs that). Unused entries: group G,
+    row0 = num_rows rounded up to a multiple of 8 (no rows to store).
+    """
+    num_groups = group_sizes_g.shape[0]
+    num_tiles = pl.cdiv(num_rows, block_m) + num_groups
+    starts_x, ends_x = group_bounds(group_sizes_g, num_rows=num_rows)
+    base_x = starts_x - starts_x % _ROW_ALIGN
+    tiles_x = jnp.where(ends_x > starts_x, (ends_x - base_x + block_m - 1) // block_m, 0)
+    tile_ends_x = jnp.cumsum(tiles_x)
+    t = jnp.arange(num_tiles, dtype=jnp.int32)
+    group_t = jnp.sum(t[:, None] >= tile_ends_x[None, :], axis=1, dtype=jnp.int32)
+    in_use = group_t <= num_groups
+    group_c = jnp.minimum(group_t, num_groups)
+    row0_t = base_x[group_c] + (t - (tile_ends_x - tiles_x)[group_c]) * block_m
+    past_end = pl.cdiv(num_rows, _ROW_ALIGN) * _ROW_ALIGN
+    row0_t = jnp.where(in_use, row0_t, past_end).astype(jnp.int32)
+    return jnp.where(in_use, group_t, num_groups), row0_t
+
+
+# ----------------------------------------------------------------------------------------------
+# The kernel body.
+
+
+def _swizzled(itemsize: int) -> tuple[plgpu.TilingTransform, plgpu.SwizzleTransform]:
+    elems = _SWIZZLE_BYTES // itemsize
+    return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(_SWIZZLE_BYTES))
+
+
+def _store_rows(src_smem, dst_gmem, lo, hi):
+    """TMA-stores rows [lo, hi) of src_smem to the same rows of dst_gmem (0 <= lo, hi <= rows).
+
+    TMA boxes are static, so hi - lo is written as a sum of powers of two, largest first.
+    """
+    count = jnp.maximum(hi - lo, 0)
+    offset = lo
+    power = 1 << int(math.log2(src_smem.shape[0]))
+    while power >= 1:
+        part = count & power
+
+        @pl.when(part != 0)
+        def _store(offset=offset, power=power):
+            plgpu.copy_smem_to_gmem(
+                src_smem.at[pl.ds(offset, power)],
+                dst_gmem.at[pl.ds(offset, power)],
+                commit_group=False,
+            )
+
+        offset = offset + part
+        power //= 2
+
+
+def _kernel(
+    group_t_ref,
+    row0_t_ref,
+    starts_x_ref,
+    ends_x_ref,
+    lhs_ref,
+    *refs,
+    config: TileConfig,
+    num_groups: int,
+    num_tiles_m: int,
+    transpose_rhs: bool,
+    num_rhs: int,
+    has_row_scale: bool,
+    swiglu: bool,
+):
+    rhs_refs = refs[:num_rhs]
+    scale_ref = refs[num_rhs] if has_row_scale else None
+    out_ref = refs[-1]
+    block_m, block_n, block_k = config.block_m, config.block_n, config.block_k
+    consumer_n = config.consumer_n
+    epi_m, epi_n = config.epilogue_tile
+    k_steps = lhs_ref.shape[1] // block_k
+    num_tiles_n = out_ref.shape[1] // block_n
+    out_dtype = out_ref.dtype
+    transforms = _swizzled(lhs_ref.dtype.itemsize)
+
+    lhs_spec = plgpu.BlockSpec(
+        (block_m, block_k),
+        lambda k: (0, k),
+        transforms=transforms,
+        delay_release=config.delay_release,
+    )
+    if transpose_rhs:
+        rhs_spec = plgpu.BlockSpec(
+            (block_n, block_k),
+            lambda k: (0, k),
+            transforms=transforms,
+            delay_release=config.delay_release,
+        )
+    else:
+        rhs_spec = plgpu.BlockSpec(
+            (block_k, block_n),
+            lambda k: (k, 0),
+            transforms=transforms,
+            delay_release=config.delay_release,
+        )
+
+    def mma_step(_, lhs_smem, *rest):
+        rhs_smems, accs = rest[:num_rhs], rest[num_rhs]
+        wg = lax.axis_index("wg")
+        cols = pl.ds(wg * consumer_n, consumer_n)
+        for acc, rhs_smem in zip(accs, rhs_smems, strict=True):
+            if transpose_rhs:
+                rhs_tile = rhs_smem.at[cols, :].transpose((1, 0))
+            else:
+                rhs_tile = rhs_smem.at[:, cols]
+            plgpu.wgmma(acc, lhs_smem, rhs_tile)
+        plgpu.wgmma_wait(config.delay_release)
+        return accs
+
+    def make_pipeline(compute_context):
+        return plgpu.emit_pipeline_warp_specialized(
+            mma_step,
+            grid=(k_steps,),
+            memory_registers=_PRODUCER_REGISTERS,
+            in_specs=[lhs_spec] + [rhs_spec] * num_rhs,
+            wg_axis="wg",
+            num_compute_wgs=config.num_consumers,
+            max_concurrent_steps=config.max_concurrent_steps,
+            compute_context=compute_context,
+        )
+
+    def ignore(*_, **__):
+        return None
+
+    @functools.partial(
+        pl.run_scoped,
+        pipeline_allocs=make_pipeline(ignore).get_allocations(lhs_ref, *rhs_refs),
+        out_smem=plgpu.SMEM((config.num_consumers, 2, epi_m, epi_n), out_dtype),
+        collective_axes="wg",
+    )
+    def _scope(pipeline_allocs, out_smem):
+        wg = lax.axis_index("wg")
+        is_consumer = wg < config.num_consumers
+
+        def epilogue(out_f32, row0, lo, hi, ni):
+            """Consumer `wg` stores tile rows [lo, hi) of its [block_m, consumer_n] columns."""
+            out_cast = out_f32.astype(out_dtype)
+            # The previous tile's stores must have read out_smem before it is overwritten.
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            col0 = ni * block_n + wg * consumer_n
+            sub = 0
+            for mi in range(block_m // epi_m):
+                for nj in range(consumer_n // epi_n):
+                    slot = sub % 2
+                    sub += 1
+                    plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                    out_smem[wg, slot] = out_cast[
+                        mi * epi_m : (mi + 1) * epi_m, nj * epi_n : (nj + 1) * epi_n
+                    ]
+                    plgpu.commit_smem()
+                    dst = out_ref.at[
+                        pl.ds(row0 + mi * epi_m, epi_m), pl.ds(col0 + nj * epi_n, epi_n)
+                    ]
+                    _store_rows(
+                        out_smem.at[wg, slot],
+                        dst,
+                        jnp.clip(lo - mi * epi_m, 0, epi_m),
+                        jnp.clip(hi - mi * epi_m, 0, epi_m),
+                    )
+                    plgpu.commit_smem_to_gmem_group()
+
+        @plgpu.nd_loop((num_tiles_m * num_tiles_n,), collective_axes="sm")
+        def _tile_loop(loop_info: plgpu.NDLoopInfo):
+            (lin,) = loop_info.index
+            mi, ni = plgpu.planar_snake(
+                lin,
+                (num_tiles_m, num_tiles_n),
+                0 if config.grid_minor_dim == "m" else 1,
+                config.grid_tile_width,
+            )
+            group = group_t_ref[mi]
+            row0 = pl.multiple_of(row0_t_ref[mi], _ROW_ALIGN)
+            lo = jnp.clip(starts_x_ref[group] - row0, 0, block_m)
+            hi = jnp.clip(ends_x_ref[group] - row0, 0, block_m)
+            count = hi - lo
+
+            # (a) A tile of a group: the pipelined K loop, then the epilogue (invariants 1, 3, 4).
+            @pl.when((count > 0) & (group < num_groups))
+            def _matmul_tile():
+                lhs_rows = lhs_ref.at[pl.ds(row0, block_m), :]
+                if transpose_rhs:
+                    rhs_cols = [r.at[group, pl.ds(ni * block_n, block_n), :] for r in rhs_refs]
+                else:
+                    rhs_cols = [r.at[group, :, pl.ds(ni * block_n, block_n)] for r in rhs_refs]
+
+                def compute_context(run_pipeline):
+                    def acc_scope(*accs):
+                        accs = run_pipeline(accs)
+                        values = [acc[...] for acc in accs]
+                        if swiglu:
+                            gate, up = values
+                            out_f32 = gate / (1.0 + jnp.exp(-gate)) * up
+                        else:
+                            (out_f32,) = values
+                        if has_row_scale:
+                            scale = plgpu.load(
+                                scale_ref.at[pl.ds(row0, block_m)],
+                                layout=plgpu.Layout.WGMMA.reduce(1),
+                                optimized=False,
+                            )
+                            out_f32 = out_f32 * lax.broadcast_in_dim(scale, out_f32.shape, [0])
+                        epilogue(out_f32, row0, lo, hi, ni)
+
+                    pl.run_scoped(
+                        acc_scope,
+                        *[plgpu.ACC((block_m, consumer_n), jnp.float32) for _ in range(num_rhs)],
+                    )
+
+                make_pipeline(compute_context)(lhs_rows, *rhs_cols, allocations=pipeline_allocs)
+
+            # (b) Rows of no group: the consumers store zeros (invariant 2).
+            @pl.when((count > 0) & (group == num_groups) & is_consumer)
+            def _zero_tile():
+                zeros = plgpu.layout_cast(
+                    jnp.zeros((block_m, consumer_n), jnp.float32), plgpu.Layout.WGMMA
+                )
+                epilogue(zeros, row0, lo, hi, ni)
+
+        plgpu.wait_smem_to_gmem(0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public wrappers.
+
+
+def _check_inputs(lhs_mk: Array, rhs: tuple[Array, ...], group_sizes_g: Array, names):
+    if lhs_mk.ndim != 2:
+        raise ValueError(f"lhs must be [M, K], got shape {lhs_mk.shape}")
+    if jnp.dtype(lhs_mk.dtype) not in INPUT_DTYPES:
+        raise ValueError(f"lhs dtype {lhs_mk.dtype} must be bfloat16 or float16")
+    for name, r in zip(names, rhs, strict=True):
+        if r.ndim != 3:
+            raise ValueError(f"{name} must be rank 3 [G, ., .], got shape {r.shape}")
+        if r.dtype != lhs_mk.dtype:
+            raise ValueError(f"{name} dtype {r.dtype} must equal lhs dtype {lhs_mk.dtype}")
+        if r.shape != rhs[0].shape:
+            raise ValueError(f"{name} shape {r.shape} must equal {names[0]} shape {rhs[0].shape}")
+    if group_sizes_g.ndim != 1 or group_sizes_g.shape[0] != rhs[0].shape[0]:
+        raise ValueError(
+            f"group_sizes shape {group_sizes_g.shape} must be [G] with G={rhs[0].shape[0]}"
+        )
+    if group_sizes_g.dtype != jnp.int32:
+        raise ValueError(f"group_sizes dtype {group_sizes_g.dtype} must be int32")
+
+
+def _default_config(
+    shape_class: tuning.ShapeClass,
+    *,
+    n: int,
+    itemsize: int,
+    out_itemsize: int,
+    num_rhs: int,
+    interpret: bool,
+) -> TileConfig:
+    """The table's tiles, with block_n narrowed (256 -> 128 -> 64 on one consumer) until it
+    divides N, and stages dropped until they fit shared memory. Only defaults are narrowed: a
+    caller's config is validated, never replaced."""
+    config = tuning.default_config(shape_class, interpret=interpret)
+    if n % 64:
+        raise ValueError(f"N={n} must be a multiple of 64")
+    while n % config.block_n:
+        block_n = config.block_n // 2 if config.block_n > 128 else 64
+        consumers = config.num_consumers if block_n >= 128 else 1
+        epi_n = min(config.epilogue_tile[1], block_n // consumers)
+        config = dataclasses.replace(
+            config, block_n=block_n, num_consumers=consumers, epi_block_n=epi_n
+        )
+    limit = tuning.DEVICES[tuning.resolve_device_kind()].smem_bytes
+    while (
+        config.smem_bytes(itemsize=itemsize, out_itemsize=out_itemsize, num_rhs=num_rhs) > limit
+        and config.max_concurrent_steps > config.delay_release + 1
+    ):
+        config = dataclasses.replace(config, max_concurrent_steps=config.max_concurrent_steps - 1)
+    return config
+
+
+def _check_config(config: TileConfig, *, k: int, n: int, itemsize: int, out_itemsize: int, nr):
+    if k % config.block_k:
+        raise ValueError(f"K={k} must be a multiple of block_k={config.block_k}")
+    if n % config.block_n:
+        raise ValueError(f"N={n} must be a multiple of block_n={config.block_n}")
+    smem = config.smem_bytes(itemsize=itemsize, out_itemsize=out_itemsize, num_rhs=nr)
+    limit = tuning.DEVICES[tuning.resolve_device_kind()].smem_bytes
+    if smem > limit:
+        raise ValueError(
+            f"{config} needs {smem} bytes of shared memory, more than the {limit} available: "
+            "use fewer stages (max_concurrent_steps) or smaller blocks"
+        )
+
+
+def _interpret_params(interpret: bool):
+    return plgpu.InterpretGPUParams() if interpret else None
+
+
+def _grouped_call(
+    lhs_mk: Array,
+    rhs: tuple[Array, ...],
+    group_sizes_g: Array,
+    *,
+    transpose_rhs: bool,
+    row_scale_m: Array | None,
+    out_dtype,
+    config: TileConfig,
+    swiglu: bool,
+    interpret: bool,
+) -> Array:
+    num_rows = lhs_mk.shape[0]
+    num_groups = rhs[0].shape[0]
+    n = rhs[0].shape[1] if transpose_rhs else rhs[0].shape[2]
+    if num_rows == 0 or num_groups == 0:
+        return jnp.zeros((num_rows, n), out_dtype)
+    block_m = config.block_m
+    # A TMA box may not be taller than its tensor: tiny inputs are padded to one tile (lhs and
+    # out). TMA into 8-row-tiled shared memory views lhs in whole 8-row tiles: its row count is
+    # padded to a multiple of 8 (a copy of lhs, avoided when M is a multiple of 8).
+    out_rows = max(num_rows, block_m)
+    lhs_rows = pl.cdiv(out_rows, _ROW_ALIGN) * _ROW_ALIGN
+    if lhs_rows != num_rows:
+        lhs_mk = jnp.pad(lhs_mk, ((0, lhs_rows - num_rows), (0, 0)))
+    group_t, row0_t = tile_schedule(group_sizes_g, num_rows=num_rows, block_m=block_m)
+    starts_x, ends_x = group_bounds(group_sizes_g, num_rows=num_rows)
+    operands = [group_t, row0_t, starts_x, ends_x, lhs_mk, *rhs]
+    if row_scale_m is not None:
+        # Scales are read for whole tiles: pad so the last tile's read stays in bounds.
+        operands.append(jnp.pad(row_scale_m, (0, lhs_rows - num_rows + block_m)))
+    grid_size = config.grid_size or tuning.persistent_grid_size()
+    body = functools.partial(
+        _kernel,
+        config=config,
+        num_groups=num_groups,
+        num_tiles_m=group_t.shape[0],
+        transpose_rhs=transpose_rhs,
+        num_rhs=len(rhs),
+        has_row_scale=row_scale_m is not None,
+        swiglu=swiglu,
+    )
+    out = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((out_rows, n), out_dtype),
+        grid=(grid_size,),
+        grid_names=("sm",),
+        num_threads=config.num_consumers + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=_interpret_params(interpret),
+    )(*operands)
+    return out[:num_rows] if out_rows != num_rows else out
+
+
+def gmm(
+    lhs_mk: Array,
+    rhs_gkn: Array,
+    group_sizes_g: Array,
+    *,
+    transpose_rhs: bool = False,
+    row_scale_m: Array | None = None,
+    out_dtype=None,
+    config: TileConfig | None = None,
+    interpret: bool = False,
+) -> Array:
+    """[M, N]: each row of lhs [M, K] times its group's rhs [G, K, N] (rhs [G, N, K] transposed
+    if `transpose_rhs`), optionally times `row_scale_m` (f32 [M]) in f32; rows past
+    sum(group_sizes_g) are 0. bf16/f16 inputs, f32 accumulation, out_dtype lhs's or f32."""
+    _check_inputs(lhs_mk, (rhs_gkn,), group_sizes_g, ("rhs",))
+    k = lhs_mk.shape[1]
+    _, rk, rn = rhs_gkn.shape
+    if transpose_rhs:
+        rk, rn = rn, rk
+    if rk != k:
+        raise ValueError(
+            f"lhs K={k} must equal rhs K={rk} (rhs shape {rhs_gkn.shape}, {transpose_rhs=})"
+        )
+    out_dtype = jnp.dtype(lhs_mk.dtype if out_dtype is None else out_dtype)
+    if out_dtype not in (jnp.dtype(lhs_mk.dtype), jnp.dtype(jnp.float32)):
+        raise ValueError(f"out_dtype {out_dtype} must be the lhs dtype {lhs_mk.dtype} or float32")
+    if row_scale_m is not None and (
+        row_scale_m.shape != (lhs_mk.shape[0],) or row_scale_m.dtype != jnp.float32
+    ):
+        raise ValueError(
+            f"row_scale_m must be float32 [M={lhs_mk.shape[0]}], got {row_scale_m.dtype} "
+            f"{row_scale_m.shape}"
+        )
+    if config is None:
+        config = _default_config(
+            tuning.gmm_shape_class(transpose_rhs=transpose_rhs, out_dtype=out_dtype),
+            n=rn,
+            itemsize=lhs_mk.dtype.itemsize,
+            out_itemsize=out_dtype.itemsize,
+            num_rhs=1,
+            interpret=interpret,
+        )
+    _check_config(
+        config,
+        k=k,
+        n=rn,
+        itemsize=lhs_mk.dtype.itemsize,
+        out_itemsize=out_dtype.itemsize,
+        nr=1,
+    )
+    return _grouped_call(
+        lhs_mk,
+        (rhs_gkn,),
+        group_sizes_g,
+        transpose_rhs=transpose_rhs,
+        row_scale_m=row_scale_m,
+        out_dtype=out_dtype,
+        config=config,
+        swiglu=False,
+        interpret=interpret,
+    )
+
+
+def gmm_swiglu(
+    lhs_mk: Array,
+    w_gate_gkf: Array,
+    w_up_gkf: Array,
+    group_sizes_g: Array,
+    *,
+    config: TileConfig | None = None,
+    interpret: bool = False,
+) -> Array:
+    """[M, F] in lhs dtype: silu(lhs @ w_gate[g]) * (lhs @ w_up[g]) per row, both products in
+    one kernel (two accumulators), SwiGLU in f32; rows past sum(group_sizes_g) are 0."""
+    _check_inputs(lhs_mk, (w_gate_gkf, w_up_gkf), group_sizes_g, ("w_gate", "w_up"))
+    k = lhs_mk.shape[1]
+    if w_gate_gkf.shape[1] != k:
+        raise ValueError(f"lhs K={k} must equal w_gate K (w_gate shape {w_gate_gkf.shape})")
+    if config is None:
+        config = _default_config(
+            "gmm_swiglu",
+            n=w_gate_gkf.shape[2],
+            itemsize=lhs_mk.dtype.itemsize,
+            out_itemsize=lhs_mk.dtype.itemsize,
+            num_rhs=2,
+            interpret=interpret,
+        )
+    _check_config(
+        config,
+        k=k,
+        n=w_gate_gkf.shape[2],
+        itemsize=lhs_mk.dtype.itemsize,
+        out_itemsize=lhs_mk.dtype.itemsize,
+        nr=2,
+    )
+    return _grouped_call(
+        lhs_mk,
+        (w_gate_gkf, w_up_gkf),
+        group_sizes_g,
+        transpose_rhs=False,
+        row_scale_m=None,
+        out_dtype=jnp.dtype(lhs_mk.dtype),
+        config=config,
+        swiglu=True,
+        interpret=interpret,
+    )
+
+
+__all__ = ["INPUT_DTYPES", "gmm", "gmm_swiglu", "group_bounds", "tile_schedule"]

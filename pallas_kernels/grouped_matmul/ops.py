@@ -1,0 +1,188 @@
+"""Differentiable grouped matmuls: `jax.custom_vjp`s whose forward and backward run kernels.
+
+  gmm         y = lhs @ rhs[g]                (rhs[g].T with transpose_rhs)
+              d_lhs = gmm(dy, rhs, transpose_rhs=not transpose_rhs);  d_rhs = tgmm(lhs, dy)
+              (tgmm(dy, lhs) with transpose_rhs)
+  gmm with row_scale_m (the weighted down projection), y = s * (lhs @ rhs[g]) in f32:
+              d_lhs = gmm(dy, rhs, transpose_rhs=True, row_scale_m=s) (scale in the epilogue)
+              d_s = rowsum(dy * (lhs @ rhs[g])) in f32: the unscaled output is RECOMPUTED (one
+              more gmm, f32 out) rather than stored (an [M, N] f32 residual); d_rhs = tgmm(lhs,
+              s * dy).
+  gmm_swiglu  h = silu(lhs @ w_gate[g]) * (lhs @ w_up[g])
+              the backward recomputes gate and up (two f32 gmm calls; nothing stored), forms
+              d_gate = dh * up * silu'(gate) and d_up = dh * silu(gate) in f32, casts them to
+              the compute dtype, and runs ONE transposed gmm over [d_gate | d_up] (K = 2F) for
+              d_lhs and ONE tgmm for [d_w_gate | d_w_up].
+
+Cotangents are cast to the compute dtype (lhs's) before they enter a kernel; weight gradients
+come out in the weights' dtype, input gradients in lhs's, d_s in f32. group_sizes gets no
+gradient. Every kernel call uses the defaults table's tiles (`tuning.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import Array
+
+from pallas_kernels.grouped_matmul import mosaic_gpu
+from pallas_kernels.grouped_matmul.mosaic_gpu_wgrad import tgmm
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Static:
+    transpose_rhs: bool = False
+    out_dtype: jnp.dtype | None = None
+    interpret: bool = False
+
+
+# ----------------------------------------------------------------------------------------------
+# gmm
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _gmm(static: _Static, lhs, rhs, group_sizes):
+    return mosaic_gpu.gmm(
+        lhs,
+        rhs,
+        group_sizes,
+        transpose_rhs=static.transpose_rhs,
+        out_dtype=static.out_dtype,
+        interpret=static.interpret,
+    )
+
+
+def _gmm_fwd(static, lhs, rhs, group_sizes):
+    return _gmm(static, lhs, rhs, group_sizes), (lhs, rhs, group_sizes)
+
+
+def _gmm_bwd(static, residuals, dy):
+    lhs, rhs, group_sizes = residuals
+    dy = dy.astype(lhs.dtype)
+    d_lhs = mosaic_gpu.gmm(
+        dy, rhs, group_sizes, transpose_rhs=not static.transpose_rhs, interpret=static.interpret
+    )
+    if static.transpose_rhs:
+        d_rhs = tgmm(dy, lhs, group_sizes, out_dtype=rhs.dtype, interpret=static.interpret)
+    else:
+        d_rhs = tgmm(lhs, dy, group_sizes, out_dtype=rhs.dtype, interpret=static.interpret)
+    return d_lhs, d_rhs, None
+
+
+_gmm.defvjp(_gmm_fwd, _gmm_bwd)
+
+
+# ----------------------------------------------------------------------------------------------
+# gmm with a row scale (the weighted down projection), f32 out
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _gmm_scaled(static: _Static, lhs, rhs, group_sizes, row_scale):
+    return mosaic_gpu.gmm(
+        lhs,
+        rhs,
+        group_sizes,
+        row_scale_m=row_scale,
+        out_dtype=jnp.float32,
+        interpret=static.interpret,
+    )
+
+
+def _gmm_scaled_fwd(static, lhs, rhs, group_sizes, row_scale):
+    out = _gmm_scaled(static, lhs, rhs, group_sizes, row_scale)
+    return out, (lhs, rhs, group_sizes, row_scale)
+
+
+def _gmm_scaled_bwd(static, residuals, dy):
+    lhs, rhs, group_sizes, row_scale = residuals
+    run = functools.partial(mosaic_gpu.gmm, interpret=static.interpret)
+    # d_s = rowsum(dy * (lhs @ rhs[g])) in f32, from the recomputed unscaled output.
+    unscaled = run(lhs, rhs, group_sizes, out_dtype=jnp.float32)
+    d_scale = jnp.sum(dy.astype(jnp.float32) * unscaled, axis=1)
+    dy_c = dy.astype(lhs.dtype)
+    # d_lhs = s * (dy @ rhs[g].T): the scale in the epilogue, in f32, before the cast.
+    d_lhs = run(dy_c, rhs, group_sizes, transpose_rhs=True, row_scale_m=row_scale)
+    scaled_dy = (dy.astype(jnp.float32) * row_scale[:, None]).astype(lhs.dtype)
+    d_rhs = tgmm(lhs, scaled_dy, group_sizes, out_dtype=rhs.dtype, interpret=static.interpret)
+    return d_lhs, d_rhs, None, d_scale
+
+
+_gmm_scaled.defvjp(_gmm_scaled_fwd, _gmm_scaled_bwd)
+
+
+def gmm(
+    lhs_mk: Array,
+    rhs_gkn: Array,
+    group_sizes_g: Array,
+    *,
+    transpose_rhs: bool = False,
+    row_scale_m: Array | None = None,
+    out_dtype=None,
+    interpret: bool = False,
+) -> Array:
+    """Differentiable `mosaic_gpu.gmm`: [M, K] x [G, K, N] -> [M, N] (rhs [G, N, K] if
+    `transpose_rhs`). With `row_scale_m` (f32 [M]) the output is f32, each row times its scale,
+    and the scale gets a gradient too (not with transpose_rhs)."""
+    if row_scale_m is None:
+        static = _Static(transpose_rhs=transpose_rhs, out_dtype=out_dtype, interpret=interpret)
+        return _gmm(static, lhs_mk, rhs_gkn, group_sizes_g)
+    if transpose_rhs:
+        raise ValueError("row_scale_m is supported with transpose_rhs=False only")
+    if out_dtype is not None and jnp.dtype(out_dtype) != jnp.float32:
+        raise ValueError(
+            f"with row_scale_m the output is float32, got out_dtype={jnp.dtype(out_dtype).name}"
+        )
+    return _gmm_scaled(_Static(interpret=interpret), lhs_mk, rhs_gkn, group_sizes_g, row_scale_m)
+
+
+# ----------------------------------------------------------------------------------------------
+# gmm_swiglu
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _gmm_swiglu(static: _Static, lhs, w_gate, w_up, group_sizes):
+    return mosaic_gpu.gmm_swiglu(lhs, w_gate, w_up, group_sizes, interpret=static.interpret)
+
+
+def _gmm_swiglu_fwd(static, lhs, w_gate, w_up, group_sizes):
+    out = _gmm_swiglu(static, lhs, w_gate, w_up, group_sizes)
+    return out, (lhs, w_gate, w_up, group_sizes)
+
+
+def _gmm_swiglu_bwd(static, residuals, dh):
+    lhs, w_gate, w_up, group_sizes = residuals
+    run = functools.partial(mosaic_gpu.gmm, out_dtype=jnp.float32, interpret=static.interpret)
+    gate = run(lhs, w_gate, group_sizes)
+    up = run(lhs, w_up, group_sizes)
+    dh = dh.astype(jnp.float32)
+    sig = jax.nn.sigmoid(gate)
+    d_gate = dh * up * (sig * (1.0 + gate * (1.0 - sig)))
+    d_up = dh * (gate * sig)
+    d_gate_up = jnp.concatenate([d_gate, d_up], axis=1).astype(lhs.dtype)
+    # One transposed gmm over K = 2F: d_lhs = [d_gate | d_up] @ [w_gate | w_up][g].T
+    w_gate_up = jnp.concatenate([w_gate, w_up], axis=2)
+    d_lhs = mosaic_gpu.gmm(
+        d_gate_up, w_gate_up, group_sizes, transpose_rhs=True, interpret=static.interpret
+    )
+    d_w = tgmm(lhs, d_gate_up, group_sizes, out_dtype=w_gate.dtype, interpret=static.interpret)
+    f = w_gate.shape[2]
+    return d_lhs, d_w[:, :, :f], d_w[:, :, f:], None
+
+
+_gmm_swiglu.defvjp(_gmm_swiglu_fwd, _gmm_swiglu_bwd)
+
+
+def gmm_swiglu(
+    lhs_mk: Array,
+    w_gate_gkf: Array,
+    w_up_gkf: Array,
+    group_sizes_g: Array,
+    *,
+    interpret: bool = False,
+) -> Array:
+    """Differentiable `mosaic_gpu.gmm_swiglu`: silu(lhs @ w_gate[g]) * (lhs @ w_up[g]) -> [M, F]
+    in lhs dtype."""
+    return _gmm_swiglu(_Static(interpret=interpret), lhs_mk, w_gate_gkf, w_up_gkf, group_sizes_g)

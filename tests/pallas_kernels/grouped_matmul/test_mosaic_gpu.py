@@ -1,0 +1,354 @@
+"""The Mosaic GPU grouped matmuls against reference.py: GPU interpret mode on CPU (small tiles),
+CUDA lowering at a real size, and GPU-marked twins at real sizes (values, bitwise repeatability,
+bits independent of where a group starts)."""
+
+from __future__ import annotations
+
+import re
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mok_jax.tolerances import tolerance
+from pallas_kernels.grouped_matmul import mosaic_gpu, reference
+from pallas_kernels.grouped_matmul.tuning import TileConfig
+
+# Small tiles keep GPU interpret mode fast on 2 CPU cores; 3 programs exercise the persistent
+# loop (several tiles per program) and the partial last wave.
+SMALL = TileConfig(
+    block_m=64,
+    block_n=128,
+    block_k=64,
+    max_concurrent_steps=2,
+    epi_block_m=64,
+    epi_block_n=64,
+    grid_size=3,
+)
+
+# (M, K, N, group sizes): empty groups, partial tiles, sum < M, sum > M (clamped), G = 1 with a
+# single group holding every row, M = 1, M not a multiple of anything.
+CASES = [
+    (200, 128, 128, (70, 0, 100)),
+    (37, 64, 128, (37,)),
+    (1, 64, 128, (0, 1, 0)),
+    (131, 128, 256, (3, 60, 2, 1, 64)),
+    (50, 64, 128, (30, 40)),
+]
+
+
+def _inputs(m, k, n, sizes, *, dtype=jnp.bfloat16, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 4)
+    g = len(sizes)
+    lhs = jax.random.normal(keys[0], (m, k), jnp.float32).astype(dtype)
+    rhs = (jax.random.normal(keys[1], (g, k, n), jnp.float32) / 4).astype(dtype)
+    scale = jax.random.uniform(keys[2], (m,), jnp.float32, 0.5, 1.5)
+    return lhs, rhs, jnp.asarray(sizes, jnp.int32), scale, keys[3]
+
+
+def _assert_close(actual, expected, stored):
+    """f32 accumulation of the same rounded inputs: f32-tight; a 16-bit output: its rounding."""
+    tol = tolerance(jnp.float32, stored)
+    expected = jnp.asarray(expected, jnp.float32)
+    chex.assert_trees_all_close(
+        jnp.asarray(actual, jnp.float32),
+        expected,
+        rtol=tol.rtol,
+        atol=tol.scaled_atol(expected),
+    )
+
+
+def _rows_past_groups(sizes, m):
+    return slice(min(int(np.sum(sizes)), m), m)
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_gmm_matches_reference(case, out_dtype):
+    m, k, n, sizes = case
+    lhs, rhs, group_sizes, _, _ = _inputs(m, k, n, sizes)
+    out = mosaic_gpu.gmm(lhs, rhs, group_sizes, out_dtype=out_dtype, config=SMALL, interpret=True)
+    chex.assert_shape(out, (m, n))
+    chex.assert_type(out, out_dtype)
+    _assert_close(out, reference.gmm(lhs, rhs, group_sizes), out_dtype)
+    chex.assert_trees_all_equal(
+        out[_rows_past_groups(sizes, m)], jnp.zeros_like(out)[_rows_past_groups(sizes, m)]
+    )
+
+
+@pytest.mark.parametrize("case", CASES[:2] + CASES[3:4], ids=str)
+def test_gmm_transpose_rhs_matches_reference(case):
+    m, k, n, sizes = case
+    lhs, _, group_sizes, _, key = _inputs(m, k, n, sizes)
+    rhs_gnk = jax.random.normal(key, (len(sizes), n, k), jnp.float32).astype(jnp.bfloat16)
+    out = mosaic_gpu.gmm(
+        lhs,
+        rhs_gnk,
+        group_sizes,
+        transpose_rhs=True,
+        out_dtype=jnp.float32,
+        config=SMALL,
+        interpret=True,
+    )
+    chex.assert_shape(out, (m, n))
+    _assert_close(out, reference.gmm(lhs, rhs_gnk, group_sizes, transpose_rhs=True), jnp.float32)
+
+
+@pytest.mark.parametrize("case", CASES[:1] + CASES[3:4], ids=str)
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_gmm_row_scale_matches_reference(case, out_dtype):
+    m, k, n, sizes = case
+    lhs, rhs, group_sizes, scale, _ = _inputs(m, k, n, sizes)
+    out = mosaic_gpu.gmm(
+        lhs,
+        rhs,
+        group_sizes,
+        row_scale_m=scale,
+        out_dtype=out_dtype,
+        config=SMALL,
+        interpret=True,
+    )
+    expected = reference.gmm(lhs, rhs, group_sizes) * scale[:, None]
+    _assert_close(out, expected, out_dtype)
+
+
+@pytest.mark.parametrize("case", CASES[:2] + CASES[3:], ids=str)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+def test_gmm_swiglu_matches_reference(case, dtype):
+    m, k, n, sizes = case
+    lhs, w_gate, group_sizes, _, key = _inputs(m, k, n, sizes, dtype=dtype)
+    w_up = (jax.random.normal(key, w_gate.shape, jnp.float32) / 4).astype(dtype)
+    out = mosaic_gpu.gmm_swiglu(lhs, w_gate, w_up, group_sizes, config=SMALL, interpret=True)
+    chex.assert_shape(out, (m, n))
+    chex.assert_type(out, dtype)
+    _assert_close(out, reference.gmm_swiglu(lhs, w_gate, w_up, group_sizes), dtype)
+    past = _rows_past_groups(sizes, m)
+    chex.assert_trees_all_equal(out[past], jnp.zeros_like(out)[past])
+
+
+def test_no_rows_and_no_groups():
+    lhs, rhs, _, _, _ = _inputs(8, 64, 128, (8,))
+    out = mosaic_gpu.gmm(lhs[:0], rhs, jnp.array([0], jnp.int32), config=SMALL, interpret=True)
+    chex.assert_shape(out, (0, 128))
+    out = mosaic_gpu.gmm(lhs, rhs[:0], jnp.zeros((0,), jnp.int32), config=SMALL, interpret=True)
+    chex.assert_trees_all_equal(out, jnp.zeros((8, 128), jnp.bfloat16))
+
+
+def _shifted(lhs, rhs, sizes, pad, key):
+    """The same rows behind `pad` rows of an extra leading group (its own random weights)."""
+    pad_rows = jax.random.normal(key, (pad, lhs.shape[1]), jnp.float32).astype(lhs.dtype)
+    pad_rhs = jax.random.normal(key, (1, *rhs.shape[1:]), jnp.float32).astype(rhs.dtype)
+    return (
+        jnp.concatenate([pad_rows, lhs]),
+        jnp.concatenate([pad_rhs, rhs]),
+        jnp.asarray((pad, *sizes), jnp.int32),
+    )
+
+
+def _check_offset_independence(m, k, n, sizes, pad, config, interpret):
+    lhs, rhs, group_sizes, scale, key = _inputs(m, k, n, sizes)
+    lhs_s, rhs_s, sizes_s = _shifted(lhs, rhs, sizes, pad, key)
+    scale_s = jnp.concatenate([jnp.ones((pad,), jnp.float32), scale])
+    run = dict(config=config, interpret=interpret)
+    pairs = [
+        (
+            mosaic_gpu.gmm(lhs, rhs, group_sizes, row_scale_m=scale, out_dtype=jnp.float32, **run),
+            mosaic_gpu.gmm(
+                lhs_s, rhs_s, sizes_s, row_scale_m=scale_s, out_dtype=jnp.float32, **run
+            ),
+        ),
+        (
+            mosaic_gpu.gmm_swiglu(lhs, rhs, rhs, group_sizes, **run),
+            mosaic_gpu.gmm_swiglu(lhs_s, rhs_s, rhs_s, sizes_s, **run),
+        ),
+    ]
+    for plain, shifted in pairs:
+        chex.assert_trees_all_equal(shifted[pad:], plain)
+
+
+def test_row_bits_do_not_depend_on_where_the_group_starts():
+    """Invariant 1: the shifted rows' outputs are bitwise those of the unshifted call."""
+    _check_offset_independence(131, 128, 128, (3, 60, 0, 68), pad=13, config=SMALL, interpret=True)
+
+
+def test_schedule_covers_every_row_once():
+    sizes = jnp.array([70, 0, 100, 1, 9], jnp.int32)
+    m, block_m = 203, 64
+    group_t, row0_t = mosaic_gpu.tile_schedule(sizes, num_rows=m, block_m=block_m)
+    starts, ends = mosaic_gpu.group_bounds(sizes, num_rows=m)
+    writes = np.zeros(m, np.int32)
+    owner = np.full(m, -1)
+    for g, r0 in zip(np.asarray(group_t), np.asarray(row0_t), strict=True):
+        assert r0 % 8 == 0
+        lo, hi = max(int(starts[g]), r0), min(int(ends[g]), r0 + block_m)
+        writes[lo:hi] += 1
+        owner[lo:hi] = g
+    chex.assert_trees_all_equal(writes, np.ones(m, np.int32))
+    expected_owner = np.asarray(reference.group_ids(sizes, m))
+    chex.assert_trees_all_equal(owner, expected_owner)
+
+
+# ---------------------------------------------------------------------------------------------
+# Input validation.
+
+
+def _bad_call(kind):
+    lhs, rhs, sizes, scale, _ = _inputs(64, 128, 128, (64,))
+    run = dict(config=SMALL, interpret=True)
+    calls = {
+        "f32": lambda: mosaic_gpu.gmm(lhs.astype(jnp.float32), rhs.astype(jnp.float32), sizes),
+        "mixed": lambda: mosaic_gpu.gmm(lhs, rhs.astype(jnp.float16), sizes),
+        "rank": lambda: mosaic_gpu.gmm(lhs, rhs[0], sizes),
+        "k": lambda: mosaic_gpu.gmm(lhs[:, :64], rhs, sizes),
+        "k_tile": lambda: mosaic_gpu.gmm(lhs[:, :96], rhs[:, :96], sizes, **run),
+        "n_tile": lambda: mosaic_gpu.gmm(lhs, rhs[:, :, :64], sizes, **run),
+        "sizes_shape": lambda: mosaic_gpu.gmm(lhs, rhs, jnp.array([32, 32], jnp.int32)),
+        "sizes_dtype": lambda: mosaic_gpu.gmm(lhs, rhs, sizes.astype(jnp.float32)),
+        "out_dtype": lambda: mosaic_gpu.gmm(lhs, rhs, sizes, out_dtype=jnp.float16),
+        "scale": lambda: mosaic_gpu.gmm(lhs, rhs, sizes, row_scale_m=scale[:10]),
+        "smem": lambda: mosaic_gpu.gmm(
+            lhs, rhs, sizes, config=TileConfig(block_n=128, max_concurrent_steps=12)
+        ),
+        "swiglu_up": lambda: mosaic_gpu.gmm_swiglu(lhs, rhs, rhs[:, :, :64], sizes),
+    }
+    return calls[kind]
+
+
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        ("f32", "lhs dtype float32 must be bfloat16 or float16"),
+        ("mixed", "rhs dtype float16 must equal lhs dtype bfloat16"),
+        ("rank", r"rhs must be rank 3 \[G, ., .\], got shape \(128, 128\)"),
+        ("k", "lhs K=64 must equal rhs K=128"),
+        ("k_tile", "K=96 must be a multiple of block_k=64"),
+        ("n_tile", "N=64 must be a multiple of block_n=128"),
+        ("sizes_shape", r"group_sizes shape \(2,\) must be \[G\] with G=1"),
+        ("sizes_dtype", "group_sizes dtype float32 must be int32"),
+        ("out_dtype", "out_dtype float16 must be the lhs dtype bfloat16 or float32"),
+        ("scale", r"row_scale_m must be float32 \[M=64\], got float32 \(10,\)"),
+        ("smem", "bytes of shared memory, more than the"),
+        ("swiglu_up", r"w_up shape \(1, 128, 64\) must equal w_gate shape \(1, 128, 128\)"),
+    ],
+)
+def test_bad_inputs_raise_naming_the_values(kind, message):
+    with pytest.raises(ValueError, match=message):
+        _bad_call(kind)()
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA lowering on this machine, at a real size (qwen3-30b-a3b gate_up), default configs.
+
+M, K, N, G = 131072, 2048, 1536, 128
+_S = jax.ShapeDtypeStruct
+
+
+def _lowered_text(fn, *args):
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("product", ["gmm", "gmm_odd_rows", "dgrad", "weighted_f32", "swiglu"])
+def test_lowers_for_cuda_at_real_size(product):
+    bf16 = jnp.bfloat16
+    sizes = _S((G,), jnp.int32)
+    if product == "gmm":
+        text = _lowered_text(mosaic_gpu.gmm, _S((M, K), bf16), _S((G, K, N), bf16), sizes)
+    elif product == "gmm_odd_rows":  # M not a multiple of 8
+        text = _lowered_text(mosaic_gpu.gmm, _S((M - 3, K), bf16), _S((G, K, N), bf16), sizes)
+    elif product == "dgrad":
+        text = _lowered_text(
+            lambda a, b, s: mosaic_gpu.gmm(a, b, s, transpose_rhs=True),
+            _S((M, N), bf16),
+            _S((G, K, N), bf16),
+            sizes,
+        )
+    elif product == "weighted_f32":
+        text = _lowered_text(
+            lambda a, b, s, w: mosaic_gpu.gmm(a, b, s, row_scale_m=w, out_dtype=jnp.float32),
+            _S((M, K), bf16),
+            _S((G, K, N), bf16),
+            sizes,
+            _S((M,), jnp.float32),
+        )
+    else:
+        text = _lowered_text(
+            mosaic_gpu.gmm_swiglu,
+            _S((M, K), bf16),
+            _S((G, K, N), bf16),
+            _S((G, K, N), bf16),
+            sizes,
+        )
+    assert re.search(r"custom_call @mosaic_gpu", text), "no Mosaic GPU kernel in the lowering"
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU twins at real sizes.
+
+
+def _uniform_group_sizes(m, g, seed):
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(np.bincount(rng.integers(0, g, m), minlength=g), jnp.int32)
+
+
+def _sampled_rows_reference(lhs, rhs, group_sizes, rows, *, transpose_rhs=False):
+    """f32 products of a few rows with their groups' matrices (the full reference is too slow)."""
+    ids = np.asarray(reference.group_ids(group_sizes, lhs.shape[0]))[rows]
+    out = []
+    for row, g in zip(rows, ids, strict=True):
+        if g == rhs.shape[0]:
+            out.append(np.zeros(rhs.shape[1] if transpose_rhs else rhs.shape[2], np.float32))
+            continue
+        w = np.asarray(rhs[g], np.float32)
+        w = w.T if transpose_rhs else w
+        out.append(np.asarray(lhs[row], np.float32) @ w)
+    return np.stack(out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["forward", "dgrad"])
+def test_gpu_real_size_values_and_bitwise_repeatability(transpose_rhs):
+    m, k, n, g = 16384, 2048, 1536, 128
+    keys = jax.random.split(jax.random.key(1), 2)
+    lhs = jax.random.normal(keys[0], (m, k), jnp.float32).astype(jnp.bfloat16)
+    shape = (g, n, k) if transpose_rhs else (g, k, n)
+    rhs = (jax.random.normal(keys[1], shape, jnp.float32) / 32).astype(jnp.bfloat16)
+    sizes = _uniform_group_sizes(m - 100, g, 0)  # the last 100 rows belong to no group
+    fn = jax.jit(
+        lambda a, b, s: mosaic_gpu.gmm(a, b, s, transpose_rhs=transpose_rhs, out_dtype=jnp.float32)
+    )
+    outs = [fn(lhs, rhs, sizes) for _ in range(3)]
+    for other in outs[1:]:
+        chex.assert_trees_all_equal(other, outs[0])
+    rows = np.random.default_rng(2).choice(m, 256, replace=False)
+    expected = _sampled_rows_reference(lhs, rhs, sizes, rows, transpose_rhs=transpose_rhs)
+    _assert_close(np.asarray(outs[0])[rows], expected, jnp.float32)
+    chex.assert_trees_all_equal(outs[0][-100:], jnp.zeros((100, n), jnp.float32))
+
+
+@pytest.mark.gpu
+def test_gpu_swiglu_and_row_scale_at_real_size():
+    m, k, f, g = 16384, 2048, 768, 128
+    keys = jax.random.split(jax.random.key(3), 4)
+    lhs = jax.random.normal(keys[0], (m, k), jnp.float32).astype(jnp.bfloat16)
+    w_gate = (jax.random.normal(keys[1], (g, k, f), jnp.float32) / 32).astype(jnp.bfloat16)
+    w_up = (jax.random.normal(keys[2], (g, k, f), jnp.float32) / 32).astype(jnp.bfloat16)
+    scale = jax.random.uniform(keys[3], (m,), jnp.float32)
+    sizes = _uniform_group_sizes(m, g, 1)
+    h = jax.jit(mosaic_gpu.gmm_swiglu)(lhs, w_gate, w_up, sizes)
+    rows = np.random.default_rng(4).choice(m, 256, replace=False)
+    gate = _sampled_rows_reference(lhs, w_gate, sizes, rows)
+    up = _sampled_rows_reference(lhs, w_up, sizes, rows)
+    _assert_close(np.asarray(h)[rows], np.asarray(jax.nn.silu(gate)) * up, jnp.bfloat16)
+    y = jax.jit(lambda a, b, s, w: mosaic_gpu.gmm(a, b, s, row_scale_m=w, out_dtype=jnp.float32))(
+        lhs, w_gate, sizes, scale
+    )
+    _assert_close(np.asarray(y)[rows], gate * np.asarray(scale)[rows, None], jnp.float32)
+
+
+@pytest.mark.gpu
+def test_gpu_row_bits_do_not_depend_on_where_the_group_starts():
+    """Invariant 1 on the hardware: wgmma computes a row the same way at any tile position."""
+    sizes = tuple(int(s) for s in _uniform_group_sizes(4000, 16, 5))
+    _check_offset_independence(4000, 2048, 1536, sizes, pad=13, config=None, interpret=False)

@@ -1,0 +1,175 @@
+"""The custom_vjp ops: values and gradients (one random cotangent) against jax.vjp of the
+reference, under GPU interpret mode on CPU; GPU-marked twins at a real size.
+
+The backward passes call `mosaic_gpu_wgrad.tgmm` (the weight-gradient kernel) for d_rhs."""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mok_jax.tolerances import tolerance
+from pallas_kernels.grouped_matmul import ops, reference
+
+# (M, K, N, group sizes): an empty group, partial tiles, rows past every group.
+CASES = [
+    (131, 128, 128, (3, 60, 0, 50)),
+    (64, 128, 128, (64,)),
+]
+
+
+def _inputs(m, k, n, sizes, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 6)
+    g = len(sizes)
+
+    def bf16(key, shape, scale=1.0):
+        return (jax.random.normal(key, shape, jnp.float32) * scale).astype(jnp.bfloat16)
+
+    return dict(
+        x=bf16(keys[0], (m, k)),
+        w=bf16(keys[1], (g, k, n), 0.25),
+        w2=bf16(keys[2], (g, k, n), 0.25),
+        w_t=bf16(keys[3], (g, n, k), 0.25),
+        scale=jax.random.uniform(keys[4], (m,), jnp.float32, 0.5, 1.5),
+        cotangent=jax.random.normal(keys[5], (m, n), jnp.float32),
+        sizes=jnp.asarray(sizes, jnp.int32),
+    )
+
+
+def _assert_close(actual, expected, compute=jnp.float32):
+    """Each leaf to the rounding of its stored dtype (bf16 gradients, f32 values), or of the
+    compute dtype where a rounded intermediate (h) feeds it."""
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        chex.assert_type(a, e.dtype)
+        tol = tolerance(compute, a.dtype)
+        e32 = jnp.asarray(e, jnp.float32)
+        chex.assert_trees_all_close(
+            jnp.asarray(a, jnp.float32), e32, rtol=tol.rtol, atol=tol.scaled_atol(e32)
+        )
+
+
+def _check_vjp(op, spec, args, cotangent):
+    out, vjp = jax.vjp(op, *args)
+    ref_out, ref_vjp = jax.vjp(spec, *args)
+    _assert_close(out, ref_out.astype(out.dtype))
+    _assert_close(vjp(cotangent.astype(out.dtype)), ref_vjp(cotangent.astype(ref_out.dtype)))
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_gmm_values_and_gradients(case):
+    t = _inputs(*case)
+    _check_vjp(
+        lambda x, w: ops.gmm(x, w, t["sizes"], out_dtype=jnp.float32, interpret=True),
+        lambda x, w: reference.gmm(x, w, t["sizes"]),
+        (t["x"], t["w"]),
+        t["cotangent"],
+    )
+
+
+def test_gmm_bf16_output_values_and_gradients():
+    t = _inputs(*CASES[0])
+    _check_vjp(
+        lambda x, w: ops.gmm(x, w, t["sizes"], interpret=True),
+        lambda x, w: reference.gmm(x, w, t["sizes"]).astype(jnp.bfloat16),
+        (t["x"], t["w"]),
+        t["cotangent"],
+    )
+
+
+@pytest.mark.parametrize("case", CASES[:1], ids=str)
+def test_gmm_transpose_rhs_values_and_gradients(case):
+    t = _inputs(*case)
+    _check_vjp(
+        lambda x, w: ops.gmm(
+            x, w, t["sizes"], transpose_rhs=True, out_dtype=jnp.float32, interpret=True
+        ),
+        lambda x, w: reference.gmm(x, w, t["sizes"], transpose_rhs=True),
+        (t["x"], t["w_t"]),
+        t["cotangent"],
+    )
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_weighted_gmm_values_and_gradients(case):
+    t = _inputs(*case)
+    _check_vjp(
+        lambda x, w, s: ops.gmm(x, w, t["sizes"], row_scale_m=s, interpret=True),
+        lambda x, w, s: reference.gmm(x, w, t["sizes"]) * s[:, None],
+        (t["x"], t["w"], t["scale"]),
+        t["cotangent"],
+    )
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_gmm_swiglu_values_and_gradients(case):
+    t = _inputs(*case)
+    _check_vjp(
+        lambda x, a, b: ops.gmm_swiglu(x, a, b, t["sizes"], interpret=True),
+        lambda x, a, b: reference.gmm_swiglu(x, a, b, t["sizes"]),
+        (t["x"], t["w"], t["w2"]),
+        t["cotangent"],
+    )
+
+
+def test_group_sizes_get_no_gradient():
+    t = _inputs(*CASES[1])
+
+    def loss(sizes):
+        return jnp.sum(ops.gmm(t["x"], t["w"], sizes, out_dtype=jnp.float32, interpret=True))
+
+    (d_sizes,) = jax.vjp(loss, t["sizes"])[1](jnp.float32(1.0))
+    assert d_sizes.dtype == jax.dtypes.float0
+    chex.assert_shape(d_sizes, t["sizes"].shape)
+
+
+def test_weighted_gmm_rejects_what_it_cannot_differentiate():
+    t = _inputs(*CASES[1])
+    with pytest.raises(ValueError, match="transpose_rhs=False only"):
+        ops.gmm(t["x"], t["w"], t["sizes"], row_scale_m=t["scale"], transpose_rhs=True)
+    with pytest.raises(ValueError, match="output is float32, got out_dtype=bfloat16"):
+        ops.gmm(t["x"], t["w"], t["sizes"], row_scale_m=t["scale"], out_dtype=jnp.bfloat16)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: a real-size backward, repeatable bit for bit (no atomics, no split-K anywhere).
+
+
+@pytest.mark.gpu
+def test_gpu_swiglu_down_backward_is_repeatable_and_close():
+    m, d, f, g = 8192, 2048, 768, 32
+    keys = jax.random.split(jax.random.key(7), 6)
+    x = jax.random.normal(keys[0], (m, d), jnp.float32).astype(jnp.bfloat16)
+    w_gate, w_up = (
+        (jax.random.normal(k, (g, d, f), jnp.float32) / 32).astype(jnp.bfloat16) for k in keys[1:3]
+    )
+    w_down = (jax.random.normal(keys[3], (g, f, d), jnp.float32) / 32).astype(jnp.bfloat16)
+    scale = jax.random.uniform(keys[4], (m,), jnp.float32)
+    rng = np.random.default_rng(0)
+    sizes = jnp.asarray(np.bincount(rng.integers(0, g, m - 50), minlength=g), jnp.int32)
+
+    def layer(x, w_gate, w_up, w_down, scale, sizes):
+        h = ops.gmm_swiglu(x, w_gate, w_up, sizes)
+        return ops.gmm(h, w_down, sizes, row_scale_m=scale)
+
+    def spec(x, w_gate, w_up, w_down, scale, sizes):
+        h = reference.gmm_swiglu(x, w_gate, w_up, sizes).astype(jnp.bfloat16)
+        return reference.gmm(h, w_down, sizes) * scale[:, None]
+
+    cotangent = jax.random.normal(keys[5], (m, d), jnp.float32)
+    args = (x, w_gate, w_up, w_down, scale)
+
+    @jax.jit
+    def grads(*args):
+        out, vjp = jax.vjp(lambda *a: layer(*a, sizes), *args)
+        return out, vjp(cotangent)
+
+    runs = [grads(*args) for _ in range(3)]
+    for other in runs[1:]:
+        chex.assert_trees_all_equal(other, runs[0])
+    out, vjp = jax.vjp(lambda *a: spec(*a, sizes), *args)
+    # h is rounded to bf16 on both sides; one-ulp flips of it reach every later value.
+    _assert_close(runs[0][0], out, jnp.bfloat16)
+    _assert_close(runs[0][1], vjp(cotangent), jnp.bfloat16)
