@@ -13,6 +13,7 @@ from mok_jax.config import (
 from mok_jax.determinism import deterministic_compiler_options
 from mok_jax.hf import from_hf
 from mok_jax.layer import moe
+from mok_jax.mesh import LAYOUTS, Layout, ShardingRules, make_mesh
 from mok_jax.module import MoE, RouterBias
 from mok_jax.params import MoEParams, init_params
 from mok_jax.routing import MoEAux, update_router_bias
@@ -22,17 +23,21 @@ presets = PRESETS
 __all__ = [
     "EXCHANGES",
     "IMPLEMENTATIONS",
+    "LAYOUTS",
     "Exchange",
     "Implementation",
+    "Layout",
     "MoE",
     "MoEAux",
     "MoEConfig",
     "MoEParams",
     "RouterBias",
     "ScoreFn",
+    "ShardingRules",
     "deterministic_compiler_options",
     "from_hf",
     "init_params",
+    "make_mesh",
     "moe",
     "presets",
     "scale_down",

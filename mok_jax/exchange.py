@@ -122,7 +122,9 @@ def window_transfer(t: Traffic, me: Array, round_index: Array, window: int) -> T
     lo_sd = jnp.clip(start_sd, lo_w, hi_w)
     hi_sd = jnp.clip(start_sd + t.send_sd, lo_w, hi_w)
     size_sd = hi_sd - lo_sd
-    skip_sd = lo_sd - start_sd  # rows of the block sent in earlier rounds
+    # Rows of the block sent in earlier rounds; clipped to the block so that empty chunks keep
+    # their offsets in peer order too (invariant 2).
+    skip_sd = jnp.clip(lo_sd - start_sd, 0, t.send_sd)
     return Transfer(
         send_offsets=t.send_start_sd[me] + skip_sd[me],
         send_sizes=size_sd[me],

@@ -28,7 +28,8 @@ from jax import Array, lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from mok_jax.config import MoEConfig
-from mok_jax.mesh import PARAM_AXES, ShardingRules
+from mok_jax.mesh import ShardingRules
+from mok_jax.mesh import param_specs as mesh_param_specs
 from mok_jax.params import MoEParams, validate_params
 from mok_jax.permute import rows_to_slots, sum_slots, tokens_to_rows
 from mok_jax.plan import Plan, make_plan
@@ -40,6 +41,7 @@ from mok_jax.routing import (
     load_balancing_loss,
     route_logits,
     router_z_loss,
+    score_shares,
 )
 from mok_jax.tiles import token_dot, token_swiglu, token_tiled
 
@@ -58,13 +60,16 @@ def _psum(x: Array, axes: _Axes) -> Array:
     return lax.psum(x, axes.tokens) if axes.tokens else x
 
 
-def _route(x_td: Array, params: MoEParams, cfg: MoEConfig) -> Routing:
+def _route(x_td: Array, params: MoEParams, cfg: MoEConfig) -> tuple[Routing, Array, Array]:
+    """(routing, score shares [T, E], logsumexp of the logits [T]) of every token."""
     with jax.named_scope("route"):
         # Token by token, in fixed-shape chunks: a reduction over a token's K weights or E
-        # scores must not change its order with the number of tokens on the device.
+        # scores (and its gradient) must not change order with the number of tokens here.
         def chunk(x_cd):
             logits_ce = token_dot(x_cd, params.router, jnp.float32, cfg.row_tile)
-            return route_logits(logits_ce, params.router_bias, cfg)
+            routing = route_logits(logits_ce, params.router_bias, cfg)
+            lse_c = jax.nn.logsumexp(logits_ce, axis=-1)
+            return routing, score_shares(routing.scores_te), lse_c
 
         return token_tiled(chunk, x_td, cfg.row_tile)
 
@@ -132,10 +137,19 @@ def _combine(
     with jax.named_scope("combine"):
         num_tokens, top_k = routing.weights_tk.shape
         y_tkd = rows_to_slots(y_nd, plan.order_n, plan.inverse_n).reshape(num_tokens, top_k, -1)
-        terms_tkd = routing.weights_tk[..., None] * y_tkd
-        if plan.keep_n is not None:
-            terms_tkd = jnp.where(plan.keep_n.reshape(num_tokens, top_k, 1), terms_tkd, 0.0)
-        y_td = sum_slots(terms_tkd)
+        keep_tk = jnp.ones((num_tokens, top_k), bool) if plan.keep_n is None else plan.keep_n
+        keep_tk = keep_tk.reshape(num_tokens, top_k)
+
+        # Token by token in fixed-shape chunks, like the routing: the weights' gradient is a
+        # sum over D that must not change order with the number of tokens here.
+        def chunk(args):
+            y_ckd, weights_ck, keep_ck = args
+            terms_ckd = jnp.where(keep_ck[..., None], weights_ck[..., None] * y_ckd, 0.0)
+            # A fusion boundary: XLA may contract w * y + acc into one FMA in one program and
+            # not in another, which changes the last bit; products first, then the sum.
+            return sum_slots(lax.optimization_barrier(terms_ckd))
+
+        y_td = token_tiled(chunk, (y_tkd, routing.weights_tk, keep_tk), cfg.row_tile)
         if cfg.num_shared_experts:
             shared = (params.shared_w_gate, params.shared_w_up, params.shared_w_down)
             y_td = y_td + token_swiglu(x_td, *shared, cfg.dtype, cfg.row_tile)
@@ -143,12 +157,20 @@ def _combine(
 
 
 def _aux(
-    routing: Routing, plan: Plan, tokens_per_expert: Array, rounds: Array, cfg, axes: _Axes
+    routed: tuple[Routing, Array, Array],
+    plan: Plan,
+    tokens_per_expert: Array,
+    rounds: Array,
+    cfg: MoEConfig,
+    axes: _Axes,
 ) -> MoEAux:
+    routing, shares_te, lse_t = routed
     with jax.named_scope("aux"):
         return MoEAux(
-            aux_loss=load_balancing_loss(routing.scores_te, tokens_per_expert, cfg, axes.tokens),
-            z_loss=router_z_loss(routing.logits_te, cfg, axes.tokens),
+            aux_loss=load_balancing_loss(
+                routing.scores_te, tokens_per_expert, cfg, axes.tokens, shares_te=shares_te
+            ),
+            z_loss=router_z_loss(routing.logits_te, cfg, axes.tokens, lse_t=lse_t),
             tokens_per_expert=tokens_per_expert,
             dropped=_psum(plan.dropped, axes),
             rounds=rounds,
@@ -157,26 +179,18 @@ def _aux(
 
 def _local_moe(x_td: Array, params: MoEParams, cfg: MoEConfig, axes: _Axes):
     """The `xla` stages on one device's tokens x [T, D] and experts."""
-    routing = _route(x_td, params, cfg)
+    routed = _route(x_td, params, cfg)
+    routing = routed[0]
     plan, tokens_per_expert = _plan(routing, cfg, axes)
     x_nd = _dispatch(x_td, plan, cfg)
     y_nd, rounds = _experts(x_nd, params, plan, cfg, axes)
     y_td = _combine(y_nd, x_td, routing, plan, params, cfg)
-    return y_td, _aux(routing, plan, tokens_per_expert, rounds, cfg, axes)
+    return y_td, _aux(routed, plan, tokens_per_expert, rounds, cfg, axes)
 
 
 def moe_xla(x_td: Array, params: MoEParams, cfg: MoEConfig) -> tuple[Array, MoEAux]:
     """The `xla` implementation on one device, x [T, D] (already validated)."""
     return _local_moe(x_td, params, cfg, _Axes())
-
-
-def _param_specs(params: MoEParams, rules: ShardingRules) -> MoEParams:
-    return MoEParams(
-        **{
-            field: None if getattr(params, field) is None else rules.spec(*PARAM_AXES[field])
-            for field in PARAM_AXES
-        }
-    )
 
 
 def _aux_specs() -> MoEAux:
@@ -186,11 +200,41 @@ def _aux_specs() -> MoEAux:
 def _place(tree, specs, mesh):
     """Puts every leaf where the specs say (a reshard inside jit, a transfer outside it)."""
     return jax.tree.map(
-        lambda a, s: jax.device_put(a, NamedSharding(mesh, s)),
+        lambda a, s: None if a is None else jax.device_put(a, NamedSharding(mesh, s)),
         tree,
         specs,
         is_leaf=lambda a: a is None,
     )
+
+
+def _explicit(mesh, axes: tuple[str, ...]) -> bool:
+    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+    return all(types[a] == jax.sharding.AxisType.Explicit for a in axes)
+
+
+def _token_spec_of_shape(shape: tuple[int, ...], mesh, axes: tuple[str, ...]) -> PartitionSpec:
+    """A spec for [..., D] that shards the token dimensions over `axes`, in order, as far as
+    they divide (what an explicitly sharded reshape of the tokens needs)."""
+    dims: list[list[str]] = [[] for _ in shape]
+    dim, left = 0, shape[0] if shape else 1
+    for axis in axes:
+        size = mesh.shape[axis]
+        while dim < len(shape) - 1 and left % size:
+            dim += 1
+            left = shape[dim]
+        if dim == len(shape) - 1:
+            break
+        dims[dim].append(axis)
+        left //= size
+    return PartitionSpec(*(tuple(d) if len(d) > 1 else (d[0] if d else None) for d in dims))
+
+
+def _reshape(a: Array, shape: tuple[int, ...], mesh, rules: ShardingRules | None) -> Array:
+    """a.reshape(shape); under explicitly sharded mesh axes, with the sharding stated."""
+    if rules is None or not _explicit(mesh, rules.tokens):
+        return a.reshape(shape)
+    spec = _token_spec_of_shape(shape, mesh, rules.tokens)
+    return lax.reshape(a, shape, out_sharding=NamedSharding(mesh, spec))
 
 
 def moe_sharded(
@@ -208,7 +252,7 @@ def moe_sharded(
         expert_devices=mesh.shape[rules.experts],
     )
     x_spec = rules.spec("tokens", "embed")
-    param_specs = _param_specs(params, rules)
+    param_specs = mesh_param_specs(params, rules)
     x_td = _place(x_td, x_spec, mesh)
     params = _place(params, param_specs, mesh)
     local = jax.shard_map(
@@ -308,9 +352,10 @@ def moe(
         rules.check(mesh, cfg, num_tokens)
     if num_tokens == 0:
         return _no_tokens(x, cfg)
-    x_td = x.reshape(num_tokens, cfg.d_model)
     if mesh is None:
+        x_td = x.reshape(num_tokens, cfg.d_model)
         y_td, aux = _IMPLEMENTATIONS[cfg.implementation](x_td, params, cfg)
-    else:
-        y_td, aux = moe_sharded(x_td, params, cfg, mesh, rules)
-    return y_td.reshape(x.shape), aux
+        return y_td.reshape(x.shape), aux
+    x_td = _reshape(x, (num_tokens, cfg.d_model), mesh, rules)
+    y_td, aux = moe_sharded(x_td, params, cfg, mesh, rules)
+    return _reshape(y_td, x.shape, mesh, rules), aux

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 import jax
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mok_jax.config import MoEConfig
 
@@ -165,3 +165,33 @@ PARAM_AXES: dict[str, tuple[str | None, ...]] = {
     "shared_w_up": ("embed", "mlp"),
     "shared_w_down": ("mlp", "embed"),
 }
+
+
+def param_specs(params, rules: ShardingRules | None = None):
+    """The PartitionSpec of every field of a `MoEParams` (None where the field is None)."""
+    rules = ShardingRules() if rules is None else rules
+    return dataclasses.replace(
+        params,
+        **{
+            field: None if getattr(params, field) is None else rules.spec(*PARAM_AXES[field])
+            for field in PARAM_AXES
+        },
+    )
+
+
+def shard_params(params, mesh: Mesh, rules: ShardingRules | None = None):
+    """`params` placed on `mesh` as the layer wants them: experts over `expert`, the rest
+    replicated. Placing once, before a jitted step, avoids a transfer at every call."""
+    specs = param_specs(params, rules)
+    return jax.tree.map(
+        lambda a, s: None if a is None else jax.device_put(a, NamedSharding(mesh, s)),
+        params,
+        specs,
+        is_leaf=lambda a: a is None,
+    )
+
+
+def shard_tokens(x_td: jax.Array, mesh: Mesh, rules: ShardingRules | None = None) -> jax.Array:
+    """Tokens [T, D] placed on `mesh` as the layer wants them: T over (`data`, `expert`)."""
+    rules = ShardingRules() if rules is None else rules
+    return jax.device_put(x_td, NamedSharding(mesh, rules.spec("tokens", None)))

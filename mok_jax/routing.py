@@ -159,26 +159,40 @@ def _token_mean(values_t: Array, axes: tuple[str, ...]) -> Array:
     return total / (values_t.shape[0] * lax.axis_size(axes))
 
 
+def score_shares(scores_te: Array) -> Array:
+    """f32 [T, E]: each token's scores normalized to sum to 1 (a token-wise quantity)."""
+    return scores_te / jnp.sum(scores_te, axis=-1, keepdims=True)
+
+
 def load_balancing_loss(
-    scores_te: Array, tokens_per_expert_e: Array, cfg: MoEConfig, axes: tuple[str, ...] = ()
+    scores_te: Array,
+    tokens_per_expert_e: Array,
+    cfg: MoEConfig,
+    axes: tuple[str, ...] = (),
+    *,
+    shares_te: Array | None = None,
 ) -> Array:
     """coef * E * sum_e f_e * P_e (f32 []): f_e the share of the T*K routed slots sent to e, P_e
-    the mean over tokens of the scores normalized to sum to 1 per token. Under shard_map, the
-    tokens are those of every device on `axes` and tokens_per_expert_e must be global."""
+    the mean over tokens of the scores normalized to sum to 1 per token (`score_shares`, or
+    `shares_te` when given). Under shard_map, the tokens are those of every device on `axes`
+    and tokens_per_expert_e must be global."""
     if cfg.aux_loss_coef == 0:
         return jnp.zeros((), jnp.float32)
     num_slots = scores_te.shape[0] * cfg.top_k * (lax.axis_size(axes) if axes else 1)
     f_e = tokens_per_expert_e.astype(jnp.float32) / num_slots
-    p_e = _token_mean(scores_te / jnp.sum(scores_te, axis=-1, keepdims=True), axes)
+    p_e = _token_mean(score_shares(scores_te) if shares_te is None else shares_te, axes)
     return cfg.aux_loss_coef * cfg.num_experts * jnp.sum(f_e * p_e)
 
 
-def router_z_loss(logits_te: Array, cfg: MoEConfig, axes: tuple[str, ...] = ()) -> Array:
+def router_z_loss(
+    logits_te: Array, cfg: MoEConfig, axes: tuple[str, ...] = (), *, lse_t: Array | None = None
+) -> Array:
     """coef * mean_t(logsumexp(logits_t)^2) (f32 []), over the tokens of every device on
-    `axes` under shard_map."""
+    `axes` under shard_map (`lse_t`: the logsumexps, when already computed)."""
     if cfg.z_loss_coef == 0:
         return jnp.zeros((), jnp.float32)
-    return cfg.z_loss_coef * _token_mean(jax.nn.logsumexp(logits_te, axis=-1) ** 2, axes)
+    lse_t = jax.nn.logsumexp(logits_te, axis=-1) if lse_t is None else lse_t
+    return cfg.z_loss_coef * _token_mean(lse_t**2, axes)
 
 
 def update_router_bias(bias: Array, tokens_per_expert: Array, rate: float) -> Array:

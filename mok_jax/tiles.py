@@ -33,6 +33,8 @@ from mok_jax.permute import take_rows
 
 # Tiles per loop step: every loop step computes a dot of this many tiles.
 TILES_PER_STEP = 8
+# Loops run at least this many steps (see token_tiled).
+MIN_STEPS = 2
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -48,16 +50,25 @@ def _dot(a: Array, b: Array, dtype: np.dtype) -> Array:
     )
 
 
-def token_tiled(fn, x_td: Array, row_tile: int):
-    """Applies the token-wise `fn` ([C, D] -> a pytree of [C, ...] arrays, C = TILES_PER_STEP *
-    row_tile) to x [T, D] chunk by chunk (zero-padded), so that every operation inside `fn`,
-    its reductions over a token's values included, has the same shape on every mesh.
-    -> the pytree of [T, ...] arrays."""
-    num_tokens = x_td.shape[0]
+def token_tiled(fn, xs, row_tile: int):
+    """Applies the token-wise `fn` to chunks of C = TILES_PER_STEP * row_tile tokens
+    (zero-padded), so that every operation inside `fn`, its reductions over a token's values
+    and their gradients included, has the same shape on every mesh.
+
+    xs: an array [T, ...] or a pytree of them; fn maps such chunks [C, ...] to a pytree of
+    [C, ...] arrays. Returns that pytree with [T, ...] arrays.
+    """
+    num_tokens = jax.tree.leaves(xs)[0].shape[0]
     chunk = TILES_PER_STEP * row_tile
-    padded = _round_up(max(num_tokens, 1), chunk)
-    x_ccd = jnp.pad(x_td, ((0, padded - num_tokens), (0, 0))).reshape(padded // chunk, chunk, -1)
-    out = lax.map(fn, x_ccd)
+    # At least two loop steps: XLA inlines a one-step loop, and the inlined body may be fused
+    # (FMA-contracted) differently from the loop body, which changes last bits.
+    padded = max(_round_up(num_tokens, chunk), MIN_STEPS * chunk)
+
+    def chunks(a):
+        a = jnp.pad(a, ((0, padded - num_tokens),) + ((0, 0),) * (a.ndim - 1))
+        return a.reshape(padded // chunk, chunk, *a.shape[1:])
+
+    out = lax.map(fn, jax.tree.map(chunks, xs))
     return jax.tree.map(lambda a: a.reshape(padded, *a.shape[2:])[:num_tokens], out)
 
 
@@ -112,6 +123,7 @@ def tile_layout(expert_r: Array, num_local: int, row_tile: int) -> TileLayout:
     """
     num_rows = expert_r.shape[0]
     num_tiles = _round_up(-(-num_rows // row_tile) + num_local, TILES_PER_STEP)
+    num_tiles = max(num_tiles, MIN_STEPS * TILES_PER_STEP)  # see token_tiled
     order_r = jnp.argsort(expert_r, stable=True).astype(jnp.int32)
     sorted_expert_r = expert_r[order_r]
     expert_ids = jnp.arange(num_local, dtype=jnp.int32)

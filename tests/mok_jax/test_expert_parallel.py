@@ -1,0 +1,255 @@
+"""Expert parallelism on 8 simulated CPU devices (and 72 in a subprocess): the sharded layer
+equals the unsharded one, y and dx bit for bit on every mesh and exchange."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import chex
+import jax
+import jax.numpy as jnp
+import pytest
+from absl.testing import parameterized
+from jax.sharding import PartitionSpec
+
+import mok_jax
+from mok_jax import MoEConfig, deterministic_compiler_options, make_mesh
+from mok_jax.mesh import ShardingRules
+from tests.mok_jax.cases import SCALED_PRESETS, assert_aux_equal, assert_close, random_inputs
+from tests.mok_jax.test_layer import scatter_combiners
+
+# f32 on CPU, small tiles: the layer's own numerics, fast to compile.
+DSV3 = dataclasses.replace(SCALED_PRESETS["deepseek_v3"], dtype=jnp.float32, row_tile=8)
+QWEN3 = dataclasses.replace(SCALED_PRESETS["qwen3_30b_a3b"], dtype=jnp.float32, row_tile=8)
+NUM_TOKENS = 64  # 8 per device on 8 devices
+
+
+def loss_and_outputs(x, params, cotangent, cfg: MoEConfig, mesh):
+    y, aux = mok_jax.moe(x, params, cfg, mesh=mesh)
+    return jnp.sum(y.astype(jnp.float32) * cotangent) + aux.loss, (y, aux)
+
+
+def value_and_grads_fn():
+    """A fresh jit of ((loss, (y, aux)), (dx, dparams)), compiled with the deterministic
+    options; cfg and mesh are static."""
+    return jax.jit(
+        jax.value_and_grad(loss_and_outputs, argnums=(0, 1), has_aux=True),
+        static_argnums=(3, 4),
+        compiler_options=deterministic_compiler_options(),
+    )
+
+
+value_and_grads = value_and_grads_fn()
+
+
+def steer(params, bias: dict[int, float]):
+    """Pushes the routing towards (or away from) experts through the selection bias."""
+    for expert, value in bias.items():
+        params = dataclasses.replace(params, router_bias=params.router_bias.at[expert].set(value))
+    return params
+
+
+def mesh_of(layout: str, **kw) -> jax.sharding.Mesh:
+    devices = jax.devices()[: kw.pop("num_devices", len(jax.devices()))]
+    return make_mesh(layout, devices=devices, **kw)
+
+
+MESHES = {
+    "ep2": dict(layout="expert", num_devices=2),
+    "ep4": dict(layout="expert", num_devices=4),
+    "ep8": dict(layout="expert"),
+    "dp2xep4": dict(layout="data_expert", data=2),
+    "dp4xep2": dict(layout="data_expert", data=4),
+}
+
+
+class ExpertParallelTest(parameterized.TestCase):
+    def assert_sharded_matches(self, cfg, mesh, bias=None, num_tokens=NUM_TOKENS, seed=0):
+        """Sharded vs unsharded: y and dx bitwise, counts exactly, the rest to tolerance; both
+        against the reference to tolerance. Returns the sharded aux."""
+        x, params, cotangent = random_inputs(cfg, num_tokens, seed)
+        params = steer(params, bias or {})
+        (_, (y1, aux1)), (dx1, dp1) = value_and_grads(x, params, cotangent, cfg, None)
+        (_, (y, aux)), (dx, dp) = value_and_grads(x, params, cotangent, cfg, mesh)
+        chex.assert_trees_all_equal(y, y1)
+        chex.assert_trees_all_equal(dx, dx1)
+        assert_aux_equal(aux, aux1)
+        assert_close(dp, dp1, cfg.dtype)
+        reference = dataclasses.replace(cfg, implementation="reference")
+        (_, (y_ref, aux_ref)), grads_ref = value_and_grads(x, params, cotangent, reference, None)
+        assert_close((y, dx, dp), (y_ref, *grads_ref), cfg.dtype)
+        assert_aux_equal(aux, aux_ref)
+        return aux
+
+    @parameterized.product(
+        mesh_name=tuple(MESHES), exchange=("ragged_all_to_all", "ring"), preset=("dsv3",)
+    )
+    def test_sharded_equals_unsharded(self, mesh_name, exchange, preset):
+        cfg = dataclasses.replace({"dsv3": DSV3, "qwen3": QWEN3}[preset], exchange=exchange)
+        aux = self.assert_sharded_matches(cfg, mesh_of(**MESHES[mesh_name]))
+        self.assertEqual(int(aux.rounds), 1)
+
+    @parameterized.parameters("ragged_all_to_all", "ring")
+    def test_other_preset_two_tokens_per_device(self, exchange):
+        cfg = dataclasses.replace(QWEN3, exchange=exchange)
+        self.assert_sharded_matches(cfg, mesh_of("expert"), num_tokens=16, seed=3)
+
+    @parameterized.parameters("ragged_all_to_all", "ring")
+    def test_forced_imbalance_takes_rounds_and_drops_nothing(self, exchange):
+        # Every token to expert 0 (and its k-1 neighbours in the best group); experts of half
+        # the devices get nothing. A buffer of a quarter of the balanced load needs rounds.
+        cfg = dataclasses.replace(QWEN3, exchange=exchange, buffer_factor=0.25)
+        bias = {e: 10.0 - e for e in range(cfg.top_k)} | {e: -10.0 for e in range(16, 32)}
+        aux = self.assert_sharded_matches(cfg, mesh_of("expert"), bias=bias)
+        self.assertGreater(int(aux.rounds), 1)
+        self.assertEqual(int(aux.dropped), 0)
+        self.assertEqual(int(jnp.sum(aux.tokens_per_expert[16:])), 0)
+
+    def test_capacity_drops_like_unsharded(self):
+        cfg = dataclasses.replace(QWEN3, capacity_factor=1.0)
+        bias = {0: 1.0, 1: 1.0}  # overload two experts so the capacity bites
+        aux = self.assert_sharded_matches(cfg, mesh_of("data_expert", data=2), bias=bias)
+        self.assertGreater(int(aux.dropped), 0)
+
+    def test_weight_gradients_bitwise_across_runs(self):
+        cfg = dataclasses.replace(DSV3, exchange="ring")
+        mesh = mesh_of("data_expert", data=2)
+        x, params, cotangent = random_inputs(cfg, NUM_TOKENS, 5)
+        first = value_and_grads_fn()(x, params, cotangent, cfg, mesh)
+        second = value_and_grads_fn()(x, params, cotangent, cfg, mesh)
+        chex.assert_trees_all_equal(first, second)
+
+    def test_expert_weight_gradients_bitwise_across_expert_parallel_degrees(self):
+        # One round of the windowed exchange: an expert's rows arrive whole, in global token
+        # order, so its tiles (and their in-order accumulation) are the same on every mesh.
+        x, params, cotangent = random_inputs(DSV3, NUM_TOKENS, 7)
+        _, (_, dp1) = value_and_grads(x, params, cotangent, DSV3, None)
+        for name in ("ep2", "ep4", "ep8"):
+            _, (_, dp) = value_and_grads(x, params, cotangent, DSV3, mesh_of(**MESHES[name]))
+            chex.assert_trees_all_equal(
+                (dp.w_gate, dp.w_up, dp.w_down), (dp1.w_gate, dp1.w_up, dp1.w_down)
+            )
+
+    def test_module_under_set_mesh(self):
+        model = mok_jax.MoE(DSV3, rngs=__import__("flax").nnx.Rngs(0))
+        x = random_inputs(DSV3, NUM_TOKENS, 1)[0].reshape(4, 16, -1)
+        y1, _ = model(x)
+        with jax.set_mesh(mesh_of("data_expert", data=2)):
+            y, aux = jax.jit(lambda m, x: m(x))(model, x)
+        chex.assert_trees_all_equal(y, y1)
+        self.assertEqual(int(aux.rounds), 1)
+
+    def test_no_host_synchronization(self):
+        mesh = mesh_of("expert")
+        x, params, cotangent = random_inputs(DSV3, NUM_TOKENS, 2)
+        x = mok_jax.mesh.shard_tokens(x, mesh)
+        cotangent = mok_jax.mesh.shard_tokens(cotangent, mesh)
+        params = mok_jax.mesh.shard_params(params, mesh)
+        step = value_and_grads_fn()
+        jax.block_until_ready(step(x, params, cotangent, DSV3, mesh))  # compile outside
+        with jax.transfer_guard("disallow"):
+            jax.block_until_ready(step(x, params, cotangent, DSV3, mesh))
+
+    @parameterized.parameters(
+        ("ragged_all_to_all", "ragged_all_to_all"), ("ring", "collective_permute")
+    )
+    def test_lowered_for_cuda(self, exchange, collective):
+        cfg = dataclasses.replace(DSV3, exchange=exchange, dtype=jnp.bfloat16, row_tile=64)
+        mesh = mesh_of("expert")
+        x, params, cotangent = random_inputs(cfg, 8 * 64, 0)
+        text = (
+            jax.jit(
+                jax.value_and_grad(loss_and_outputs, argnums=(0, 1), has_aux=True),
+                static_argnums=(3, 4),
+            )
+            .trace(x, params, cotangent, cfg, mesh)
+            .lower(lowering_platforms=("cuda",))
+            .as_text()
+        )
+        self.assertIn(collective, text)
+        self.assertIn("all_gather", text)  # the per-expert counts
+        for combiner in scatter_combiners(text):
+            self.assertNotIn("add", combiner)
+
+    def test_bad_meshes_and_shapes(self):
+        x, params, _ = random_inputs(DSV3, NUM_TOKENS, 0)
+        no_expert_axis = jax.make_mesh((8,), ("data",))
+        with self.assertRaisesRegex(ValueError, "'expert'"):
+            mok_jax.moe(x, params, DSV3, mesh=no_expert_axis)
+        cfg_e12 = dataclasses.replace(DSV3, num_experts=12, num_groups=None, topk_groups=None)
+        x12, params12, _ = random_inputs(cfg_e12, NUM_TOKENS, 0)
+        with self.assertRaisesRegex(ValueError, "num_experts=12 .* 8"):
+            mok_jax.moe(x12, params12, cfg_e12, mesh=mesh_of("expert"))
+        with self.assertRaisesRegex(ValueError, "60 tokens .* 8 devices"):
+            mok_jax.moe(x[:60], params, DSV3, mesh=mesh_of("expert"))
+        with self.assertRaisesRegex(ValueError, "must include the expert axis"):
+            ShardingRules(tokens=("data",))
+
+    def test_make_mesh_layouts(self):
+        self.assertEqual(dict(make_mesh().shape), {"data": 1, "expert": 8})
+        self.assertEqual(dict(make_mesh(expert=4).shape), {"data": 1, "expert": 4})
+        self.assertEqual(dict(make_mesh("data_expert", data=2).shape), {"data": 2, "expert": 4})
+        self.assertEqual(dict(make_mesh("data_expert", expert=2).shape), {"data": 4, "expert": 2})
+        for layout in ("nvl72", "nvl72_ep72", "mok_ep64"):
+            with self.assertRaisesRegex(ValueError, "devices"):
+                make_mesh(layout)
+        with self.assertRaisesRegex(ValueError, "layout="):
+            make_mesh("torus")
+        with self.assertRaisesRegex(ValueError, "data x expert"):
+            make_mesh("data_expert", data=3)
+
+    def test_rules_place_inputs_of_any_sharding(self):
+        mesh = mesh_of("data_expert", data=2)
+        x, params, _ = random_inputs(DSV3, NUM_TOKENS, 4)
+        odd = jax.device_put(x, jax.NamedSharding(mesh, PartitionSpec(None, "expert")))
+        y1, _ = mok_jax.moe(x, params, DSV3)
+        y, _ = mok_jax.moe(odd, params, DSV3, mesh=mesh)
+        chex.assert_trees_all_equal(y, y1)
+        self.assertEqual(y.sharding.spec, PartitionSpec(("data", "expert"), None))
+
+
+RACK_SCRIPT = textwrap.dedent(
+    """
+    import os
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=72"
+    import dataclasses, jax, jax.numpy as jnp, numpy as np
+    import mok_jax
+    from tests.mok_jax.test_expert_parallel import value_and_grads
+    from tests.mok_jax.cases import random_inputs
+    base = dataclasses.replace(mok_jax.presets["mok_bench"], dtype=jnp.float32, row_tile=8)
+    for layout, experts in (("nvl72", 32), ("nvl72_ep72", 144), ("mok_ep64", 128)):
+        cfg = mok_jax.scale_down(base, max_experts=experts)
+        mesh = mok_jax.make_mesh(layout)
+        x, params, ct = random_inputs(cfg, 2 * mesh.size, 0)
+        (_, (y1, a1)), (dx1, dp1) = value_and_grads(x, params, ct, cfg, None)
+        (_, (y, a)), (dx, dp) = value_and_grads(x, params, ct, cfg, mesh)
+        same = bool(jnp.array_equal(y, y1)) and bool(jnp.array_equal(dx, dx1))
+        counts = bool(jnp.array_equal(a.tokens_per_expert, a1.tokens_per_expert))
+        err = max(float(jnp.max(jnp.abs(u - v)) / (jnp.max(jnp.abs(v)) + 1e-30))
+                  for u, v in zip(jax.tree.leaves(dp), jax.tree.leaves(dp1)))
+        print(layout, dict(mesh.shape), cfg.num_experts, same, counts, err, int(a.rounds))
+    """
+)
+
+
+@pytest.mark.slow
+def test_rack_layouts_on_72_devices():
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=root, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+    result = subprocess.run(
+        [sys.executable, "-c", RACK_SCRIPT], env=env, capture_output=True, text=True, timeout=900
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line for line in result.stdout.splitlines() if re.match(r"(nvl72|mok_ep64)", line)]
+    assert len(lines) == 3, result.stdout
+    for line in lines:
+        layout, *_, same, counts, err, rounds = line.split()
+        assert same == "True", f"{layout}: y or dx differ from unsharded: {line}"
+        assert counts == "True", line
+        assert float(err) < 1e-5, f"{layout}: weight gradients off by {err}: {line}"
+        assert int(rounds) >= 1, line
