@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from absl.testing import parameterized
+from flax import nnx
 from jax.sharding import PartitionSpec
 
 import mok_jax
@@ -136,13 +137,22 @@ class ExpertParallelTest(parameterized.TestCase):
             )
 
     def test_module_under_set_mesh(self):
-        model = mok_jax.MoE(DSV3, rngs=__import__("flax").nnx.Rngs(0))
+        model = mok_jax.MoE(DSV3, rngs=nnx.Rngs(0))
+        specs = nnx.get_partition_spec(nnx.state(model))
+        self.assertEqual(
+            tuple(specs["w_gate"].get_metadata()["out_sharding"]), ("expert", None, None)
+        )
+        self.assertEqual(tuple(specs["router"].get_metadata()["out_sharding"]), (None, None))
         x = random_inputs(DSV3, NUM_TOKENS, 1)[0].reshape(4, 16, -1)
         y1, _ = model(x)
-        with jax.set_mesh(mesh_of("data_expert", data=2)):
+        mesh = mesh_of("data_expert", data=2)
+        with jax.set_mesh(mesh):
             y, aux = jax.jit(lambda m, x: m(x))(model, x)
+            placed = mok_jax.MoE(DSV3, rngs=nnx.Rngs(0))  # created under the mesh: placed on it
         chex.assert_trees_all_equal(y, y1)
         self.assertEqual(int(aux.rounds), 1)
+        self.assertEqual(placed.w_down[...].sharding.spec, PartitionSpec("expert", None, None))
+        chex.assert_trees_all_equal(placed.w_down[...], model.w_down[...])
 
     def test_no_host_synchronization(self):
         mesh = mesh_of("expert")
