@@ -186,6 +186,21 @@ class ExpertParallelTest(parameterized.TestCase):
         for combiner in scatter_combiners(text):
             self.assertNotIn("add", combiner)
 
+    def test_one_device_mesh_needs_no_collective(self):
+        mesh = mesh_of("expert", num_devices=1)
+        self.assert_sharded_matches(DSV3, mesh)
+        x, params, cotangent = random_inputs(DSV3, NUM_TOKENS, 0)
+        text = (
+            jax.jit(
+                jax.value_and_grad(loss_and_outputs, argnums=(0, 1), has_aux=True),
+                static_argnums=(3, 4),
+            )
+            .trace(x, params, cotangent, DSV3, mesh)
+            .lower(lowering_platforms=("cuda",))
+            .as_text()
+        )
+        self.assertNotIn("ragged_all_to_all", text)
+
     def test_bad_meshes_and_shapes(self):
         x, params, _ = random_inputs(DSV3, NUM_TOKENS, 0)
         no_expert_axis = jax.make_mesh((8,), ("data",))
