@@ -30,6 +30,13 @@ Invariants (numbered; the tests check each):
      one f32 accumulator. No split-K, no atomics.
   4. Rows the tile loads beyond its group (the next group's rows, or zeros past M that TMA
      fills in) are computed and never stored; they do not touch the group's rows.
+  5. A stage is refilled only after every consumer finished the wgmma that read it, across
+     tiles too. Within a tile the pipeline's consumed barriers ensure it; with delay_release=1
+     they release step s only at step s + 1, so a tile's last step is never released and the
+     producer would start the next tile's loads (into that stage, and with K = block_k with no
+     wait at all, running tiles ahead of the consumers) too early. So the consumers arrive on
+     a `tile_done` barrier once their accumulators are final, and the producer waits on it
+     before the next tile (test_default_configs_survive_single_k_step_tiles).
 """
 
 from __future__ import annotations
@@ -202,9 +209,10 @@ def _kernel(
         pl.run_scoped,
         pipeline_allocs=make_pipeline(ignore).get_allocations(lhs_ref, *rhs_refs),
         out_smem=plgpu.SMEM((config.num_consumers, 2, epi_m, epi_n), out_dtype),
+        tile_done=plgpu.Barrier(num_arrivals=config.num_consumers),
         collective_axes="wg",
     )
-    def _scope(pipeline_allocs, out_smem):
+    def _scope(pipeline_allocs, out_smem, tile_done):
         wg = lax.axis_index("wg")
         is_consumer = wg < config.num_consumers
 
@@ -262,7 +270,10 @@ def _kernel(
                 def compute_context(run_pipeline):
                     def acc_scope(*accs):
                         accs = run_pipeline(accs)
+                        # Reading the accumulators waits for every wgmma of the tile: no stage
+                        # is read any more, the producer may refill them (invariant 5).
                         values = [acc[...] for acc in accs]
+                        plgpu.barrier_arrive(tile_done)
                         if swiglu:
                             gate, up = values
                             out_f32 = gate / (1.0 + jnp.exp(-gate)) * up
@@ -283,6 +294,12 @@ def _kernel(
                     )
 
                 make_pipeline(compute_context)(lhs_rows, *rhs_cols, allocations=pipeline_allocs)
+
+                # Invariant 5: the next tile's pipeline refills the stages only after every
+                # consumer finished this tile's wgmmas.
+                @pl.when(wg == config.num_consumers)
+                def _producer_waits_for_the_consumers():
+                    plgpu.barrier_wait(tile_done)
 
             # (b) Rows of no group: the consumers store zeros (invariant 2).
             @pl.when((count > 0) & (group == num_groups) & is_consumer)

@@ -4,6 +4,7 @@ bits independent of where a group starts)."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import chex
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 from mok_jax.tolerances import tolerance
-from pallas_kernels.grouped_matmul import mosaic_gpu, reference
+from pallas_kernels.grouped_matmul import mosaic_gpu, reference, tuning
 from pallas_kernels.grouped_matmul.tuning import TileConfig
 
 # Small tiles keep GPU interpret mode fast on 2 CPU cores; 3 programs exercise the persistent
@@ -125,6 +126,41 @@ def test_gmm_swiglu_matches_reference(case, dtype):
     chex.assert_type(out, dtype)
     _assert_close(out, reference.gmm_swiglu(lhs, w_gate, w_up, group_sizes), dtype)
     past = _rows_past_groups(sizes, m)
+    chex.assert_trees_all_equal(out[past], jnp.zeros_like(out)[past])
+
+
+# Whole 64-row groups with many empty ones: every program runs several matmul tiles back to back.
+_BACK_TO_BACK_SIZES = (64, 0, 128, 0, 0, 64, 0, 128, 0, 64, 0, 0)
+
+
+@pytest.mark.parametrize("source", ["gpu_default", "interpret_default"])
+@pytest.mark.parametrize("product", ["gmm", "swiglu"])
+def test_default_configs_survive_single_k_step_tiles(product, source):
+    """Invariant 5: the default configs (delay_release=1) under the interpreter's barrier checks.
+
+    With K = block_k a tile's pipeline has one step, which delay_release=1 never releases: the
+    producer once ran tiles ahead of the consumers (a barrier phase they missed) and refilled
+    stages still being read. The GPU table's config runs with its pipeline unchanged (stages,
+    delay_release, consumers, tiles); only its grid is cut to 3 programs to keep this fast.
+    """
+    m, k, n = 512, 64, 256  # K = block_k: one K step per tile; N: gmm's GPU block_n
+    lhs, w_gate, group_sizes, _, key = _inputs(m, k, n, _BACK_TO_BACK_SIZES)
+    w_up = (jax.random.normal(key, w_gate.shape, jnp.float32) / 4).astype(jnp.bfloat16)
+    shape_class = "gmm_swiglu" if product == "swiglu" else "gmm"
+    if source == "gpu_default":
+        gpu = tuning.default_config(shape_class)
+        assert gpu.delay_release == 1
+        config = dataclasses.replace(gpu, grid_size=3)
+    else:
+        config = None  # the interpret table's config, also delay_release=1
+    if product == "swiglu":
+        out = mosaic_gpu.gmm_swiglu(lhs, w_gate, w_up, group_sizes, config=config, interpret=True)
+        expected = reference.gmm_swiglu(lhs, w_gate, w_up, group_sizes)
+    else:
+        out = mosaic_gpu.gmm(lhs, w_gate, group_sizes, config=config, interpret=True)
+        expected = reference.gmm(lhs, w_gate, group_sizes)
+    _assert_close(out, expected, jnp.bfloat16)
+    past = _rows_past_groups(_BACK_TO_BACK_SIZES, m)
     chex.assert_trees_all_equal(out[past], jnp.zeros_like(out)[past])
 
 
