@@ -27,7 +27,7 @@ from typing import Literal
 import jax.numpy as jnp
 import numpy as np
 
-Implementation = Literal["reference", "xla"]
+Implementation = Literal["reference", "xla", "pallas"]
 ScoreFn = Literal["softmax", "sigmoid"]
 # How rows travel between the devices of the `expert` mesh axis (see exchange.py).
 Exchange = Literal["ragged_all_to_all", "ring"]
@@ -182,11 +182,26 @@ class MoEConfig:
         if self.row_tile % 8:
             raise ValueError(f"row_tile={self.row_tile} must be a multiple of 8")
         put("dtype", compute_dtype(self.dtype))
+        if self.implementation == "pallas":
+            self._validate_pallas()
 
         top_k, num_experts = self.top_k, self.num_experts
         if top_k > num_experts:
             raise ValueError(f"{top_k=} must be <= {num_experts=}")
         self._validate_groups()
+
+    def _validate_pallas(self) -> None:
+        if self.dtype.name not in ("bfloat16", "float16"):
+            raise ValueError(
+                "implementation='pallas' computes in bfloat16 or float16, not "
+                f"dtype={self.dtype.name}"
+            )
+        for name in ("d_model", "d_ff"):
+            if getattr(self, name) % 64:
+                raise ValueError(
+                    f"implementation='pallas' needs {name}={getattr(self, name)} to be a multiple "
+                    "of 64 (the kernels' tiles)"
+                )
 
     def _validate_groups(self) -> None:
         num_groups, topk_groups, num_experts = self.num_groups, self.topk_groups, self.num_experts

@@ -114,6 +114,7 @@ def _experts(x_nd: Array, params: MoEParams, plan: Plan, cfg: MoEConfig, axes: _
         buffer_rows=_buffer_rows(x_nd.shape[0], cfg, axes),
         row_tile=cfg.row_tile,
         dtype=cfg.dtype,
+        kernel="pallas" if cfg.implementation == "pallas" else "xla",
     )
     weights = (params.w_gate, params.w_up, params.w_down)
     return routed_experts(x_nd, weights, plan.group_sizes_e, spec)
@@ -189,7 +190,8 @@ def _local_moe(x_td: Array, params: MoEParams, cfg: MoEConfig, axes: _Axes):
 
 
 def moe_xla(x_td: Array, params: MoEParams, cfg: MoEConfig) -> tuple[Array, MoEAux]:
-    """The `xla` implementation on one device, x [T, D] (already validated)."""
+    """The `xla` and `pallas` implementations on one device, x [T, D] (already validated);
+    they differ only in the kernels of the experts stage."""
     return _local_moe(x_td, params, cfg, _Axes())
 
 
@@ -267,6 +269,7 @@ def moe_sharded(
 _IMPLEMENTATIONS: dict[str, Callable[[Array, MoEParams, MoEConfig], tuple[Array, MoEAux]]] = {
     "reference": moe_reference,
     "xla": moe_xla,
+    "pallas": moe_xla,
 }
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +45,7 @@ class RoutedSpec:
       buffer_rows: the window (rows a device receives per round) or the ring's chunk.
       row_tile: rows per expert tile.
       dtype: the compute dtype.
+      kernel: "xla" (batched dots) or "pallas" (the Mosaic GPU grouped GEMMs).
     """
 
     axis: str | None
@@ -54,6 +56,7 @@ class RoutedSpec:
     buffer_rows: int
     row_tile: int
     dtype: np.dtype
+    kernel: Literal["xla", "pallas"] = "xla"
 
 
 def _me(spec: RoutedSpec) -> Array:
@@ -69,7 +72,7 @@ def _agreed(rounds: Array, spec: RoutedSpec) -> Array:
 def _experts(x_rd, weights, experts_r, spec: RoutedSpec) -> Array:
     with jax.named_scope("experts"):
         layout = tile_layout(experts_r, spec.num_local, spec.row_tile)
-        return tiled_experts(x_rd, *weights, layout, spec.dtype)
+        return tiled_experts(x_rd, *weights, layout, spec.dtype, spec.kernel)
 
 
 def _window_round(r, x_nd, weights, t: exchange.Traffic, spec: RoutedSpec) -> Array:

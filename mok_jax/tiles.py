@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -91,7 +92,7 @@ def token_swiglu(
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["slot_row_q", "row_slot_r", "tile_expert_u", "tile_used_u"],
+    data_fields=["slot_row_q", "row_slot_r", "tile_expert_u", "tile_used_u", "tiles_g"],
     meta_fields=["row_tile"],
 )
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +107,7 @@ class TileLayout:
       row_slot_r: [R] the slot of each row, -1 for rows of no expert.
       tile_expert_u: [U] the local expert of each tile (G-1 for unused tiles).
       tile_used_u: [U] whether the tile holds any row.
+      tiles_g: [G] tiles of each local expert (its tiles are consecutive, in expert order).
       row_tile: rows per tile.
     """
 
@@ -113,6 +115,7 @@ class TileLayout:
     row_slot_r: Array
     tile_expert_u: Array
     tile_used_u: Array
+    tiles_g: Array
     row_tile: int
 
 
@@ -159,6 +162,7 @@ def tile_layout(expert_r: Array, num_local: int, row_tile: int) -> TileLayout:
         row_slot_r=row_slot_r.astype(jnp.int32),
         tile_expert_u=tile_expert_u,
         tile_used_u=tile_used_u,
+        tiles_g=tiles_g.astype(jnp.int32),
         row_tile=row_tile,
     )
 
@@ -170,18 +174,31 @@ def tiled_experts(
     w_down_gfd: Array,
     layout: TileLayout,
     dtype: np.dtype,
+    kernel: Literal["xla", "pallas"] = "xla",
 ) -> Array:
     """SwiGLU of each row with its expert's weights: x [R, D] -> f32 [R, D] (0 for rows of no
-    expert), through the tiles of `layout`."""
+    expert), through the tiles of `layout`.
+
+    kernel: "xla" runs one fixed-shape batched dot per loop step (custom VJP below); "pallas"
+    runs the Mosaic GPU grouped GEMMs over the same tiles, each expert's group a whole number
+    of tiles starting on a tile boundary (under GPU interpret mode on a CPU backend).
+    """
     x_qd = take_rows(x_rd.astype(dtype), layout.slot_row_q, layout.row_slot_r)
     num_tiles = layout.tile_expert_u.shape[0]
-    x_utd = x_qd.reshape(num_tiles, layout.row_tile, -1)
-    y_utd = _tiled_swiglu(
-        x_utd, w_gate_gdf, w_up_gdf, w_down_gfd, layout.tile_expert_u, layout.tile_used_u, dtype
-    )
-    return take_rows(
-        y_utd.reshape(num_tiles * layout.row_tile, -1), layout.row_slot_r, layout.slot_row_q
-    )
+    if kernel == "pallas":
+        from mok_jax.experts import grouped_swiglu_pallas
+
+        sizes_g = layout.tiles_g * layout.row_tile
+        interpret = jax.default_backend() == "cpu"
+        y_qd = grouped_swiglu_pallas(
+            x_qd, w_gate_gdf, w_up_gdf, w_down_gfd, sizes_g, dtype, interpret=interpret
+        )
+    else:
+        x_utd = x_qd.reshape(num_tiles, layout.row_tile, -1)
+        weights = (w_gate_gdf, w_up_gdf, w_down_gfd)
+        y_utd = _tiled_swiglu(x_utd, *weights, layout.tile_expert_u, layout.tile_used_u, dtype)
+        y_qd = y_utd.reshape(num_tiles * layout.row_tile, -1)
+    return take_rows(y_qd, layout.row_slot_r, layout.slot_row_q)
 
 
 def _steps(a: Array) -> Array:

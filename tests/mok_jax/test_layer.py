@@ -224,6 +224,36 @@ class XlaLayerTest(_LayerTest):
 del _LayerTest  # the base class holds no implementation of its own
 
 
+class PallasLayerTest(chex.TestCase):
+    """implementation="pallas": the Mosaic GPU grouped GEMMs over the layer's tiles (in GPU
+    interpret mode on a CPU backend) against the reference, values and gradients. Few cases:
+    interpret mode is slow; the GPU twin below runs a real size."""
+
+    @parameterized.parameters("qwen3_30b_a3b", "deepseek_v3", "mixtral_8x7b")
+    def test_matches_reference(self, preset):
+        cfg = with_impl(SCALED_PRESETS[preset], "pallas")
+        self.assertEqual(cfg.dtype, jnp.bfloat16)
+        x, params, cotangent = random_inputs(cfg, 40, seed=len(preset))
+        (_, (y, aux)), grads = value_and_grads(x, params, cotangent, cfg=cfg)
+        reference = with_impl(cfg, "reference")
+        (_, (y_ref, aux_ref)), grads_ref = value_and_grads(x, params, cotangent, cfg=reference)
+        assert_close(y, y_ref, cfg.dtype)
+        assert_aux_equal(aux, aux_ref)
+        assert_close(grads, grads_ref, cfg.dtype)
+
+    def test_config_rejects_what_the_kernels_cannot_take(self):
+        with self.assertRaisesRegex(ValueError, "bfloat16 or float16, not dtype=float32"):
+            with_impl(TINY, "pallas", dtype=jnp.float32)
+        with self.assertRaisesRegex(ValueError, "d_ff=96 to be a multiple of 64"):
+            with_impl(TINY, "pallas", d_ff=96)
+
+    def test_runs_on_one_device_only(self):
+        cfg = with_impl(SCALED_PRESETS["qwen3_30b_a3b"], "pallas")
+        x, params, _ = random_inputs(cfg, 16)
+        with self.assertRaisesRegex(ValueError, "under a mesh use 'xla'"):
+            moe(x, params, cfg, mesh=jax.make_mesh((1, 8), ("data", "expert")))
+
+
 def test_compiled_float_scatter_adds_finds_one():
     """The compiled check above can fail: it sees a gather gradient's scatter-add."""
     compiled = (
@@ -345,3 +375,19 @@ def test_gpu_same_bits_in_another_process(name):
         for _ in range(2)
     ]
     assert digests[0] == digests[1]
+
+
+@pytest.mark.gpu
+def test_gpu_pallas_real_size_matches_reference():
+    cfg, num_tokens = GPU_LAYERS["qwen3_30b_a3b"]
+    cfg = with_impl(cfg, "pallas")
+    x, params, cotangent = random_inputs(cfg, num_tokens, seed=11)
+    first = value_and_grads(x, params, cotangent, cfg=cfg)
+    chex.assert_trees_all_equal(first, value_and_grads(x, params, cotangent, cfg=cfg))
+    (_, (y, aux)), grads = first
+    (_, (y_ref, aux_ref)), grads_ref = value_and_grads(
+        x, params, cotangent, cfg=with_impl(cfg, "reference")
+    )
+    assert_close(y, y_ref, cfg.dtype)
+    assert_aux_equal(aux, aux_ref)
+    assert_close(grads, grads_ref, cfg.dtype)
