@@ -28,7 +28,7 @@ from jax import Array, lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from mok_jax.config import MoEConfig
-from mok_jax.mesh import ShardingRules
+from mok_jax.mesh import ShardingRules, shard_params, shard_tokens
 from mok_jax.mesh import param_specs as mesh_param_specs
 from mok_jax.params import MoEParams, validate_params
 from mok_jax.permute import rows_to_slots, sum_slots, tokens_to_rows
@@ -40,10 +40,11 @@ from mok_jax.routing import (
     Routing,
     load_balancing_loss,
     route_logits,
+    router_logits,
     router_z_loss,
     score_shares,
 )
-from mok_jax.tiles import token_dot, token_swiglu, token_tiled
+from mok_jax.tiles import token_swiglu, token_tiled
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +67,7 @@ def _route(x_td: Array, params: MoEParams, cfg: MoEConfig) -> tuple[Routing, Arr
         # Token by token, in fixed-shape chunks: a reduction over a token's K weights or E
         # scores (and its gradient) must not change order with the number of tokens here.
         def chunk(x_cd):
-            logits_ce = token_dot(x_cd, params.router, jnp.float32, cfg.row_tile)
+            logits_ce = router_logits(x_cd, params.router)
             routing = route_logits(logits_ce, params.router_bias, cfg)
             lse_c = jax.nn.logsumexp(logits_ce, axis=-1)
             return routing, score_shares(routing.scores_te), lse_c
@@ -199,16 +200,6 @@ def _aux_specs() -> MoEAux:
     return MoEAux(*(PartitionSpec() for _ in dataclasses.fields(MoEAux)))
 
 
-def _place(tree, specs, mesh):
-    """Puts every leaf where the specs say (a reshard inside jit, a transfer outside it)."""
-    return jax.tree.map(
-        lambda a, s: None if a is None else jax.device_put(a, NamedSharding(mesh, s)),
-        tree,
-        specs,
-        is_leaf=lambda a: a is None,
-    )
-
-
 def _explicit(mesh, axes: tuple[str, ...]) -> bool:
     types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
     return all(types[a] == jax.sharding.AxisType.Explicit for a in axes)
@@ -255,8 +246,9 @@ def moe_sharded(
     )
     x_spec = rules.spec("tokens", "embed")
     param_specs = mesh_param_specs(params, rules)
-    x_td = _place(x_td, x_spec, mesh)
-    params = _place(params, param_specs, mesh)
+    # A reshard inside jit, a transfer outside it: shard_map rejects mismatched inputs.
+    x_td = shard_tokens(x_td, mesh, rules)
+    params = shard_params(params, mesh, rules)
     local = jax.shard_map(
         functools.partial(_local_moe, cfg=cfg, axes=axes),
         mesh=mesh,

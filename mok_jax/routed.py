@@ -138,13 +138,10 @@ def _dest_of_rows(t: exchange.Traffic, me: Array, num_rows: int) -> Array:
 def _plan_rounds(t: exchange.Traffic, num_rows: int, spec: RoutedSpec):
     """(round function, rounds, round of each row) for this exchange."""
     me = _me(spec)
-    if spec.exchange == "ring" and spec.axis is not None:
-        rank_n = (
-            jnp.arange(num_rows, dtype=jnp.int32)
-            - t.send_start_sd[me, _dest_of_rows(t, me, num_rows)]
-        )
-        return _ring_round, exchange.chunk_rounds(t, spec.buffer_rows), rank_n // spec.buffer_rows
     dest_n = _dest_of_rows(t, me, num_rows)
+    if spec.exchange == "ring" and spec.axis is not None:
+        rank_n = jnp.arange(num_rows, dtype=jnp.int32) - t.send_start_sd[me, dest_n]
+        return _ring_round, exchange.chunk_rounds(t, spec.buffer_rows), rank_n // spec.buffer_rows
     round_n = exchange.row_window_round(t, me, dest_n, spec.buffer_rows)
     return _window_round, exchange.window_rounds(t, spec.buffer_rows), round_n
 

@@ -73,11 +73,6 @@ def token_tiled(fn, xs, row_tile: int):
     return jax.tree.map(lambda a: a.reshape(padded, *a.shape[2:])[:num_tokens], out)
 
 
-def token_dot(x_td: Array, w_dn: Array, dtype: np.dtype, row_tile: int) -> Array:
-    """x [T, D] @ w [D, N] -> f32 [T, N] in fixed-shape chunks (inputs cast to `dtype`)."""
-    return token_tiled(lambda x_cd: _dot(x_cd, w_dn, dtype), x_td, row_tile)
-
-
 def token_swiglu(
     x_td: Array, w_gate_df: Array, w_up_df: Array, w_down_fd: Array, dtype: np.dtype, row_tile: int
 ) -> Array:

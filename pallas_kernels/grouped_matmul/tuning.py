@@ -191,7 +191,7 @@ def gmm_shape_class(*, transpose_rhs: bool, out_dtype) -> ShapeClass:
 
 # GPU interpret mode on a CPU: small tiles and a few programs, so that tests run in seconds.
 INTERPRET = "interpret"
-_INTERPRET_CONFIG = TileConfig(
+INTERPRET_CONFIG = TileConfig(
     block_m=64,
     block_n=128,
     block_k=64,
@@ -201,9 +201,9 @@ _INTERPRET_CONFIG = TileConfig(
     grid_size=3,
 )
 for _shape_class in SHAPE_CLASSES:
-    DEFAULT_CONFIGS[(_shape_class, INTERPRET)] = _INTERPRET_CONFIG
+    DEFAULT_CONFIGS[(_shape_class, INTERPRET)] = INTERPRET_CONFIG
 # mosaic_gpu_wgrad.tgmm runs delay_release=0 only.
-DEFAULT_CONFIGS[("tgmm", INTERPRET)] = dataclasses.replace(_INTERPRET_CONFIG, delay_release=0)
+DEFAULT_CONFIGS[("tgmm", INTERPRET)] = dataclasses.replace(INTERPRET_CONFIG, delay_release=0)
 
 
 def default_config(

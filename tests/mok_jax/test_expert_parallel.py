@@ -48,6 +48,14 @@ def value_and_grads_fn():
 value_and_grads = value_and_grads_fn()
 
 
+def lowered_for_cuda(x, params, cotangent, cfg: MoEConfig, mesh) -> str:
+    """The StableHLO text of the forward+backward, lowered for CUDA on this CPU machine."""
+    step = jax.jit(
+        jax.value_and_grad(loss_and_outputs, argnums=(0, 1), has_aux=True), static_argnums=(3, 4)
+    )
+    return step.trace(x, params, cotangent, cfg, mesh).lower(lowering_platforms=("cuda",)).as_text()
+
+
 def steer(params, bias: dict[int, float]):
     """Pushes the routing towards (or away from) experts through the selection bias."""
     for expert, value in bias.items():
@@ -172,15 +180,7 @@ class ExpertParallelTest(parameterized.TestCase):
         cfg = dataclasses.replace(DSV3, exchange=exchange, dtype=jnp.bfloat16, row_tile=64)
         mesh = mesh_of("expert")
         x, params, cotangent = random_inputs(cfg, 8 * 64, 0)
-        text = (
-            jax.jit(
-                jax.value_and_grad(loss_and_outputs, argnums=(0, 1), has_aux=True),
-                static_argnums=(3, 4),
-            )
-            .trace(x, params, cotangent, cfg, mesh)
-            .lower(lowering_platforms=("cuda",))
-            .as_text()
-        )
+        text = lowered_for_cuda(x, params, cotangent, cfg, mesh)
         self.assertIn(collective, text)
         self.assertIn("all_gather", text)  # the per-expert counts
         for combiner in scatter_combiners(text):
@@ -190,15 +190,7 @@ class ExpertParallelTest(parameterized.TestCase):
         mesh = mesh_of("expert", num_devices=1)
         self.assert_sharded_matches(DSV3, mesh)
         x, params, cotangent = random_inputs(DSV3, NUM_TOKENS, 0)
-        text = (
-            jax.jit(
-                jax.value_and_grad(loss_and_outputs, argnums=(0, 1), has_aux=True),
-                static_argnums=(3, 4),
-            )
-            .trace(x, params, cotangent, DSV3, mesh)
-            .lower(lowering_platforms=("cuda",))
-            .as_text()
-        )
+        text = lowered_for_cuda(x, params, cotangent, DSV3, mesh)
         self.assertNotIn("ragged_all_to_all", text)
 
     def test_bad_meshes_and_shapes(self):

@@ -18,16 +18,8 @@ from pallas_kernels.grouped_matmul import mosaic_gpu, reference, tuning
 from pallas_kernels.grouped_matmul.tuning import TileConfig
 
 # Small tiles keep GPU interpret mode fast on 2 CPU cores; 3 programs exercise the persistent
-# loop (several tiles per program) and the partial last wave.
-SMALL = TileConfig(
-    block_m=64,
-    block_n=128,
-    block_k=64,
-    max_concurrent_steps=2,
-    epi_block_m=64,
-    epi_block_n=64,
-    grid_size=3,
-)
+# loop (several tiles per program) and the partial last wave: the table's interpret config.
+SMALL = tuning.INTERPRET_CONFIG
 
 # (M, K, N, group sizes): empty groups, partial tiles, sum < M, sum > M (clamped), G = 1 with a
 # single group holding every row, M = 1, M not a multiple of anything.
