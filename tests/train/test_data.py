@@ -32,6 +32,7 @@ def test_stdlib_is_deterministic_real_python(stdlib):
         parts = name.decode().split("/")
         assert not D.STDLIB_EXCLUDED_DIRS.intersection(parts), name
         assert parts[-1].endswith(".py") and parts[-1] not in D.STDLIB_EXCLUDED_FILES
+        assert not parts[-1].startswith("_sysconfigdata") and not parts[0].startswith("config-")
 
 
 def test_stdlib_cap_is_a_prefix(stdlib):
