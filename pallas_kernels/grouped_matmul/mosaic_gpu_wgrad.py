@@ -27,8 +27,9 @@ _OUTPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp
 # Registers the memory warpgroup keeps (it only issues TMA copies).
 _MEMORY_REGISTERS = 40
 # Mosaic GPU's TMA copies into 8-row-tiled SMEM address GMEM in whole 8-row tiles, so a row
-# block may start only on a multiple of 8 (and M must be one). Groups that start elsewhere are
-# first repacked so that each starts on a multiple of 8 (see `_align_groups`).
+# block may start only on a multiple of 8 (and M must be one: other M are padded). A group's
+# row blocks start at its first row rounded down to a multiple of 8; the kernel zeroes the rows
+# of its neighbours in SMEM (invariant 3).
 _ROW_ALIGN = 8
 _WG_AXIS = "wg"
 _SM_AXIS = "sm"
@@ -92,15 +93,19 @@ def _tgmm_kernel(
       1. Each output tile [g, k tile, n tile] is one work unit, owned by one CTA; within it each
          compute warpgroup owns its own columns. Every output element has exactly one writer, and
          it is written once, also for an empty group (zeros). No atomics, no split-K.
-      2. A unit accumulates its group's rows in order, in blocks of block_m rows that START AT
-         THE GROUP'S FIRST ROW: block i holds rows start + i * block_m + [0, block_m). A row's
-         position inside its block, and the order of the blocks, depend only on the row's rank in
-         its group, so the result depends only on the group's rows, never on where the group
-         starts in M (the same bits for every expert-parallel layout). Every start is a multiple
-         of 8 here (the wrapper repacks the rows otherwise, keeping each group's rows in order).
-      3. In a group's last block, rows past the group's end (the next group's rows, rows of no
-         group, or rows past M, which TMA fills with zeros) are set to +0 in the rhs tile before
-         the MMA, so they add exact zeros (finite lhs values outside the group assumed).
+      2. A unit accumulates its group's rows in order, in blocks of block_m rows that start at
+         base = start - start % 8 (the group's first row rounded down to a multiple of 8: TMA
+         into 8-row-tiled SMEM needs that): block i holds rows base + i * block_m + [0, block_m),
+         and the group's row of rank r sits at position start % 8 + r of the concatenated
+         blocks. So the result depends only on the group's rows and on start % 8: moving a group
+         by a multiple of 8 rows keeps its bits (every group of an 8-row-aligned layout, as the
+         layer lays them out, gets the same bits wherever it starts). A move by another amount
+         changes which rows share a wgmma's reduction, and may change the last bits.
+      3. Rows of a block outside the group (the previous group's rows before `start` in the
+         first block, the next group's rows, rows of no group, or rows past M that TMA fills
+         with zeros, after the group's end in the last block) are set to +0 in the rhs tile
+         before the MMA of those two steps only, so they add exact zeros (finite lhs values
+         outside the group assumed). Every other step is whole rows of the group.
       4. Accumulation is f32 in registers (wgmma); one cast at the store.
     """
     num_rows, num_k = lhs_mk_ref.shape
@@ -164,11 +169,14 @@ def _tgmm_kernel(
             g = unit // (units_k * units_n)
             k_idx = lax.rem(unit, units_k * units_n) // units_n
             n_idx = lax.rem(unit, units_n)
-            start = pl.multiple_of(starts_g_ref[g], _ROW_ALIGN)
+            start = starts_g_ref[g]
             size = sizes_g_ref[g]
-            num_blocks = pl.cdiv(size, block_m)
-            # Valid rows in the last block, in [1, block_m] for a non-empty group.
-            last_rows = size - (num_blocks - 1) * block_m
+            # Invariant 2: the group's rows are positions [lead, lead + size) of its blocks.
+            lead = lax.rem(start, _ROW_ALIGN)
+            base = pl.multiple_of(start - lead, _ROW_ALIGN)
+            num_blocks = jnp.where(size > 0, pl.cdiv(lead + size, block_m), 0)
+            # Positions past the group's end in the last block: [tail_end, block_m).
+            tail_end = lead + size - (num_blocks - 1) * block_m
             k_slice = pl.ds(k_idx * tile_k, tile_k)
             n_slice = pl.ds(n_idx * tile_n, tile_n)
             wg_n_slice = pl.ds(pl.multiple_of(wg * wg_tile_n, wg_tile_n), wg_tile_n)
@@ -178,15 +186,21 @@ def _tgmm_kernel(
                 (step,) = indices
                 rhs_wg = rhs_smem.at[:, wg_n_slice]
 
-                # 3. Zero the rows past the group's end in this warpgroup's rhs columns
-                #    (invariant 3); only the warpgroup that owns the columns writes them.
-                @pl.when((step == num_blocks - 1) & (last_rows < block_m))
-                def _mask_tail():
+                # 3. In the first and last blocks, zero the rows outside the group in this
+                #    warpgroup's rhs columns (invariant 3): rows [lo, hi) of the block are the
+                #    group's. Only the warpgroup that owns the columns writes them.
+                is_first, is_last = step == 0, step == num_blocks - 1
+                lo = jnp.where(is_first, lead, 0)
+                hi = jnp.where(is_last, tail_end, block_m)
+
+                @pl.when((lo > 0) | (hi < block_m))
+                def _mask_outside_rows():
                     rows = plgpu.broadcasted_iota(
                         jnp.int32, (block_m, wg_tile_n), 0, layout=plgpu.Layout.WGMMA
                     )
                     values = rhs_wg[...]
-                    rhs_wg[...] = jnp.where(rows < last_rows, values, jnp.zeros_like(values))
+                    inside = (rows >= lo) & (rows < hi)
+                    rhs_wg[...] = jnp.where(inside, values, jnp.zeros_like(values))
                     plgpu.commit_smem()
 
                 # lhs tile [block_m, tile_k] transposed is the A operand [tile_k, block_m].
@@ -216,11 +230,12 @@ def _tgmm_kernel(
                             plgpu.commit_smem()
                             plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], out_tile.at[rows, cols])
 
-            # The gmem views start at the group's first row (invariant 2); blocks that run past
-            # the end of M read zeros (TMA out-of-bounds fill).
+            # The gmem views start at the group's first row rounded down to a multiple of 8
+            # (invariant 2); blocks that run past the end of M read zeros (TMA out-of-bounds
+            # fill). An empty group runs no step: its unit stores zeros.
             make_pipeline(mma_step, compute_context, num_blocks)(
-                lhs_mk_ref.at[pl.ds(start, num_rows), k_slice],
-                rhs_mn_ref.at[pl.ds(start, num_rows), n_slice],
+                lhs_mk_ref.at[pl.ds(base, num_rows), k_slice],
+                rhs_mn_ref.at[pl.ds(base, num_rows), n_slice],
                 allocations=pipeline_allocs,
             )
 
@@ -273,6 +288,13 @@ def tgmm(
     ends_g = jnp.minimum(jnp.cumsum(group_sizes_g), num_rows)
     starts_g = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends_g[:-1]])
     sizes_g = ends_g - starts_g
+    # TMA views the rows in whole 8-row tiles, and its box (block_k rows) may not be taller
+    # than the tensor: pad M up to that (a copy of the inputs, only for such M). The padded
+    # rows are zeros and belong to no group.
+    padded_rows = pl.cdiv(max(num_rows, config.block_k), _ROW_ALIGN) * _ROW_ALIGN
+    if padded_rows != num_rows:
+        pad = ((0, padded_rows - num_rows), (0, 0))
+        lhs_mk, rhs_mn = jnp.pad(lhs_mk, pad), jnp.pad(rhs_mn, pad)
     if interpret:
         # Interpret mode simulates every CTA as a host thread: 2 unless told otherwise.
         grid_size = config.grid_size or 2
@@ -295,40 +317,4 @@ def tgmm(
         interpret=interpret_params,
     )
 
-    def run_aligned():
-        return kernel(starts_g, sizes_g, lhs_mk, rhs_mn)
-
-    def run_repacked():
-        lhs_rk, rhs_rn, starts_r = _align_groups(lhs_mk, rhs_mn, starts_g, sizes_g, config.block_k)
-        return kernel(starts_r, sizes_g, lhs_rk, rhs_rn)
-
-    if num_rows % _ROW_ALIGN or num_rows < config.block_k:
-        return run_repacked()
-    # Both give the same bits (invariant 2); the direct call saves a pass over the inputs.
-    aligned = jnp.all(starts_g % _ROW_ALIGN == 0)
-    return lax.cond(aligned, run_aligned, run_repacked)
-
-
-def _align_groups(
-    lhs_mk: Array, rhs_mn: Array, starts_g: Array, sizes_g: Array, block_m: int
-) -> tuple[Array, Array, Array]:
-    """Copies of the inputs in which each group starts on a multiple of 8 rows.
-
-    Group g keeps its rows in order, now from row starts_r[g] = sum over h < g of its size
-    rounded up to 8; the rows between groups are zeros. A gather: deterministic.
-    """
-    num_rows, num_groups = lhs_mk.shape[0], sizes_g.shape[0]
-    padded_g = (sizes_g + (_ROW_ALIGN - 1)) // _ROW_ALIGN * _ROW_ALIGN
-    ends_r = jnp.cumsum(padded_g)
-    starts_r = ends_r - padded_g
-    # Static bound on sum(padded_g): at most 7 extra rows per group.
-    num_out = -(-(num_rows + (_ROW_ALIGN - 1) * num_groups) // _ROW_ALIGN) * _ROW_ALIGN
-    num_out = max(num_out, block_m)
-    rows_r = jnp.arange(num_out, dtype=jnp.int32)
-    group_r = jnp.minimum(jnp.searchsorted(ends_r, rows_r, side="right"), num_groups - 1)
-    offset_r = rows_r - starts_r[group_r]
-    in_group = (offset_r < sizes_g[group_r]) & (rows_r < ends_r[-1])
-    # Rows outside every group read index num_rows: out of bounds, filled with zeros.
-    source_r = jnp.where(in_group, starts_g[group_r] + offset_r, num_rows)
-    take = functools.partial(jnp.take, indices=source_r, axis=0, mode="fill", fill_value=0)
-    return take(lhs_mk), take(rhs_mn), starts_r.astype(jnp.int32)
+    return kernel(starts_g, sizes_g, lhs_mk, rhs_mn)

@@ -1,6 +1,7 @@
 """tgmm, the Mosaic GPU weight-gradient kernel: against reference.tgmm under GPU interpret mode on
-CPU, bitwise independence from where a group starts, input validation, CUDA lowering on this
-machine, and GPU-marked twins at real size."""
+CPU (unaligned group starts, groups inside one 8-row tile, M not a multiple of 8), bits that
+depend on a group's start only modulo 8, input validation, CUDA lowering on this machine, and
+GPU-marked twins at real size."""
 
 from __future__ import annotations
 
@@ -70,6 +71,11 @@ def _assert_matches_reference(out, lhs, rhs, group_sizes, out_dtype=jnp.float32)
         (200, 128, 128, [0, 0, 0], SMALL),  # no rows at all: zeros written
         (200, 64, 128, [150, 100, 30], SMALL),  # sum > M: groups clipped at M
         (200, 128, 64, [3, 190], SMALL),  # N narrower than block_n: columns past N dropped
+        # Unaligned starts, no repack: neighbours' rows are zeroed in the first and last blocks.
+        (203, 128, 128, [17, 45, 0, 3, 70, 31, 37], SMALL),  # random-like sizes, sum = M
+        (90, 64, 128, [3, 2, 6, 0, 79], SMALL_ONE_CONSUMER),  # rows 3..4: inside one 8-row tile
+        (101, 64, 128, [61, 4, 36], SMALL),  # M % 8 = 5, the last group ends at M
+        (150, 64, 128, [7, 64, 64, 15], SMALL),  # first block = one 8-row tile; 2 blocks of 64
     ],
 )
 def test_matches_reference(num_rows, num_k, num_n, sizes, config):
@@ -107,35 +113,52 @@ def test_no_races_between_warpgroups():
     _assert_matches_reference(out, lhs, rhs, group_sizes)
 
 
-@pytest.mark.parametrize("prepend", [13, 1, 8])
-def test_result_does_not_depend_on_where_groups_start(prepend):
-    """A leading group of `prepend` rows moves every other group; their outputs keep their bits.
-
-    The unshifted groups start on multiples of 8 (the kernel reads them in place); after an odd
-    shift they do not (the wrapper repacks them first): both paths must agree bitwise.
-    """
+@pytest.mark.parametrize(("prepend", "same_bits_as"), [(16, 0), (13, 5)])
+def test_result_depends_on_the_start_only_modulo_8(prepend, same_bits_as):
+    """A leading group of `prepend` rows moves every other group; each keeps its bits when the
+    move is the same modulo 8 (invariant 2): by a multiple of 8 rows they are the unshifted
+    groups' bits; 13 rows and 5 rows give the same bits (and both match the reference)."""
     lhs, rhs = _inputs(6, 192, 64, 128)
-    sizes = [64, 0, 72, 40]
-    extra_lhs, extra_rhs = _inputs(7, prepend, 64, 128)
-    shifted = tgmm(
-        jnp.concatenate([extra_lhs, lhs]),
-        jnp.concatenate([extra_rhs, rhs]),
-        jnp.asarray([prepend, *sizes], jnp.int32),
-        config=SMALL,
-        interpret=True,
-    )
-    base = tgmm(lhs, rhs, jnp.asarray(sizes, jnp.int32), config=SMALL, interpret=True)
-    chex.assert_trees_all_equal(shifted[1:], base)
+    sizes = [64, 0, 69, 43]
+
+    def run(shift):
+        extra_lhs, extra_rhs = _inputs(7, shift, 64, 128)
+        out = tgmm(
+            jnp.concatenate([extra_lhs, lhs]),
+            jnp.concatenate([extra_rhs, rhs]),
+            jnp.asarray([shift, *sizes], jnp.int32),
+            config=SMALL,
+            interpret=True,
+        )
+        return out[1:]
+
+    if same_bits_as == 0:
+        base = tgmm(lhs, rhs, jnp.asarray(sizes, jnp.int32), config=SMALL, interpret=True)
+    else:
+        base = run(same_bits_as)
+    shifted = run(prepend)
+    chex.assert_trees_all_equal(shifted, base)
+    _assert_matches_reference(shifted, lhs, rhs, jnp.asarray(sizes, jnp.int32))
 
 
 def test_rows_outside_groups_do_not_leak():
-    """Rows of no group and of neighbouring groups hold huge values; they must add nothing."""
+    """Every row outside group 1 (its neighbours in the same 8-row tiles and row blocks, and
+    the rows of no group) holds huge values; group 1's result must not see them."""
     lhs, rhs = _inputs(8, 130, 64, 128)
-    group_sizes = jnp.asarray([3, 101], jnp.int32)
-    ids = reference.group_ids(group_sizes, 130)
-    loud = jnp.where((ids == 2)[:, None], jnp.asarray(1e4, jnp.bfloat16), rhs)
-    out = tgmm(lhs, loud, group_sizes, config=SMALL, interpret=True)
-    _assert_matches_reference(out, lhs, rhs, group_sizes)
+    group_sizes = jnp.asarray([3, 101, 2], jnp.int32)
+    outside = (reference.group_ids(group_sizes, 130) != 1)[:, None]
+    loud = jnp.asarray(1e4, jnp.bfloat16)
+    out = tgmm(
+        jnp.where(outside, loud, lhs),
+        jnp.where(outside, -loud, rhs),
+        group_sizes,
+        config=SMALL,
+        interpret=True,
+    )
+    expected = reference.tgmm(lhs, rhs, group_sizes)[1]
+    tol = TOLERANCE[jnp.float32]
+    scale = float(jnp.max(jnp.abs(expected)))
+    chex.assert_trees_all_close(out[1], expected, rtol=tol, atol=tol * scale)
 
 
 @pytest.mark.parametrize(
@@ -184,7 +207,7 @@ def test_default_config_fits_the_shape(num_k, num_n):
             128,
             TileConfig(block_m=128, block_n=256, max_concurrent_steps=3, delay_release=0),
         ),
-        (37, 64, 128, 3, SMALL),  # M not a multiple of 8: always repacked
+        (37, 64, 128, 3, SMALL),  # M not a multiple of 8: padded
     ],
 )
 def test_lowers_for_cuda(num_rows, num_k, num_n, num_groups, config):
@@ -223,18 +246,21 @@ def test_gpu_matches_reference(align):
 
 
 @pytest.mark.gpu
-def test_gpu_shift_invariant_bitwise():
+def test_gpu_bits_depend_on_the_start_only_modulo_8():
     lhs, rhs = _inputs(10, 16384, 512, 768)
-    sizes = _uniform_sizes(15384, 16, seed=2, align=8)
+    sizes = _uniform_sizes(15384, 16, seed=2)
     run = jax.jit(lambda a, b, s: tgmm(a, b, s))
-    base = run(lhs, rhs, jnp.asarray(sizes))
-    extra_lhs, extra_rhs = _inputs(11, 13, 512, 768)
-    shifted = run(
-        jnp.concatenate([extra_lhs, lhs])[:16384],
-        jnp.concatenate([extra_rhs, rhs])[:16384],
-        jnp.asarray(np.concatenate([[13], sizes]).astype(np.int32)),
-    )
-    chex.assert_trees_all_equal(shifted[1:], base)
+
+    def shifted(prepend):
+        extra_lhs, extra_rhs = _inputs(11, prepend, 512, 768)
+        return run(
+            jnp.concatenate([extra_lhs, lhs])[:16384],
+            jnp.concatenate([extra_rhs, rhs])[:16384],
+            jnp.asarray(np.concatenate([[prepend], sizes]).astype(np.int32)),
+        )[1:]
+
+    chex.assert_trees_all_equal(shifted(16), run(lhs, rhs, jnp.asarray(sizes)))
+    chex.assert_trees_all_equal(shifted(13), shifted(5))
 
 
 @pytest.mark.gpu
