@@ -1,0 +1,286 @@
+"""`python -m train`: train the MoE language model; `python -m train sample`: generate from it.
+
+    python -m train                                  # tiny preset, 8 simulated CPU devices, EP 8
+    python -m train --steps 100 --workdir /tmp/run   # then: --steps 300 --resume continues it
+    python -m train --preset small --data ~/texts    # a text file or folder of your own
+    python -m train --check-determinism --steps 5    # the same steps twice: bitwise equal?
+    python -m train sample --workdir runs/tiny --prompt "def " --max-new-bytes 200
+
+Multi-process (JAX's own runtime; each process runs the same command):
+    python -m train --num-processes 2 --process-id 0 --coordinator localhost:12345 --devices 4
+    python -m train --distributed    # jax.distributed.initialize() from the environment (SLURM..)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+# Only the standard library before the device count is set: jax reads XLA_FLAGS when its
+# backends start, and importing the configs imports jax.
+DEFAULT_CPU_DEVICES = 8
+_PRESETS = ("tiny", "small", "gpu")
+_IMPLEMENTATIONS = ("reference", "xla", "pallas")
+_LAYOUTS = ("expert", "data_expert")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit code 2
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _train_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="python -m train",
+        description=(
+            "Train the byte-level MoE language model (mok_jax.MoE feed-forward blocks). "
+            "Subcommand: 'python -m train sample --help'."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--preset", default="tiny", choices=_PRESETS, help="model + run preset")
+    p.add_argument("--steps", type=int, help="train up to this step (default: the preset's)")
+    p.add_argument(
+        "--schedule-steps",
+        type=int,
+        help="the learning-rate schedule's length (default: the preset's; not --steps, so an "
+        "interrupted run resumes on the same schedule)",
+    )
+    p.add_argument("--warmup-steps", type=int, help="(default: the preset's)")
+    p.add_argument("--lr", type=float, help="peak learning rate (default: the preset's)")
+    p.add_argument("--batch-size", type=int, help="global batch (default: the preset's)")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the preset's)")
+    p.add_argument(
+        "--data",
+        help="'stdlib' (this Python's standard library sources), 'synthetic', or a path to a "
+        "text file or folder (default: stdlib)",
+    )
+    p.add_argument("--workdir", help="output folder (default: runs/<preset>)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    p.add_argument(
+        "--overwrite", action="store_true", help="delete a previous run in --workdir first"
+    )
+    p.add_argument(
+        "--devices",
+        type=int,
+        help=f"devices to use; on CPU, the simulated devices per process (default: "
+        f"{DEFAULT_CPU_DEVICES} on CPU, all on GPU)",
+    )
+    p.add_argument("--layout", choices=_LAYOUTS, default="expert", help="mesh layout")
+    p.add_argument(
+        "--data-parallel",
+        type=int,
+        help="the data-parallel degree of --layout data_expert (EP = devices / this)",
+    )
+    p.add_argument("--implementation", choices=_IMPLEMENTATIONS, help="MoE implementation")
+    p.add_argument("--seed", type=int, help="initialization and batch-order seed")
+    p.add_argument("--eval-every", type=int, help="evaluate every N steps (0: off)")
+    p.add_argument("--save-every", type=int, help="checkpoint every N steps (0: only at the end)")
+    p.add_argument("--router-bias-rate", type=float, help="aux-loss-free balancing rate (0: off)")
+    p.add_argument(
+        "--check-determinism",
+        action="store_true",
+        help="run --steps steps twice from fresh states and report bitwise equality",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-sample", action="store_true", help="skip the samples at the end")
+    mp = p.add_argument_group("multi-process (jax.distributed)")
+    mp.add_argument("--coordinator", help="host:port of process 0's coordinator")
+    mp.add_argument("--num-processes", type=int, help="processes in the job")
+    mp.add_argument("--process-id", type=int, help="this process's index")
+    mp.add_argument(
+        "--distributed",
+        action="store_true",
+        help="call jax.distributed.initialize() with its auto-detection (SLURM, ...)",
+    )
+    return p
+
+
+def _sample_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="python -m train sample",
+        description="Generate bytes from a run's latest checkpoint (on one device).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--workdir", required=True, help="the training run's folder")
+    p.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
+    p.add_argument("--max-new-bytes", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def _set_devices(count: int | None, parser: argparse.ArgumentParser) -> None:
+    """Asks XLA for `count` host devices (default 8), keeping the other XLA_FLAGS."""
+    if count is not None and count < 1:
+        parser.error(f"--devices={count} must be >= 1")
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" in flags:
+        if count is None:
+            return
+        flags = " ".join(
+            f for f in flags.split() if not f.startswith("--xla_force_host_platform_device_count")
+        )
+    wanted = DEFAULT_CPU_DEVICES if count is None else count
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={wanted}".strip()
+
+
+def _distributed(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    explicit = (args.coordinator, args.num_processes, args.process_id)
+    if not args.distributed and all(v is None for v in explicit):
+        return
+    if not args.distributed and any(v is None for v in explicit):
+        parser.error("--coordinator, --num-processes and --process-id go together")
+    import jax
+
+    # Collectives between the processes' CPU devices (GPUs use NCCL whatever this says).
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if args.distributed:
+        jax.distributed.initialize()
+    else:
+        jax.distributed.initialize(
+            coordinator_address=args.coordinator,
+            num_processes=args.num_processes,
+            process_id=args.process_id,
+        )
+
+
+def _configs(args: argparse.Namespace):
+    import dataclasses
+
+    from train.config import PRESETS
+
+    preset = PRESETS[args.preset]
+    changes = {
+        "steps": args.steps,
+        "schedule_steps": args.schedule_steps,
+        "warmup_steps": args.warmup_steps,
+        "peak_lr": args.lr,
+        "batch_size": args.batch_size,
+        "seq_len": args.seq_len,
+        "data": args.data,
+        "workdir": args.workdir,
+        "devices": None if args.devices is None else args.devices * (args.num_processes or 1),
+        "implementation": args.implementation,
+        "seed": args.seed,
+        "eval_every": args.eval_every,
+        "save_every": args.save_every,
+        "router_bias_rate": args.router_bias_rate,
+        "layout": args.layout,
+        "data_parallel": args.data_parallel,
+    }
+    changes = {k: v for k, v in changes.items() if v is not None}
+    train_cfg = dataclasses.replace(preset.train, **changes)
+    model_cfg = preset.model
+    if train_cfg.seq_len > model_cfg.max_seq_len:
+        model_cfg = dataclasses.replace(model_cfg, max_seq_len=train_cfg.seq_len)
+    return model_cfg, train_cfg
+
+
+def main_train(argv: Sequence[str]) -> int:
+    parser = _train_parser()
+    args = parser.parse_args(argv)
+    _set_devices(args.devices, parser)
+    try:
+        _distributed(args, parser)
+        model_cfg, train_cfg = _configs(args)
+    except ValueError as e:
+        parser.error(str(e))
+
+    from train import data as data_lib
+    from train import loop
+
+    try:
+        if args.check_determinism:
+            report = loop.check_determinism(model_cfg, train_cfg)
+            verdict = "bitwise equal" if report.equal else "NOT bitwise equal"
+            print(
+                f"check-determinism: {report.steps} steps twice: losses "
+                f"{'equal' if report.losses_equal else 'differ'}, final params "
+                f"{'equal' if report.params_equal else 'differ'}: {verdict}"
+            )
+            if report.first_difference is not None:
+                print(f"first differing loss at step {report.first_difference}")
+            print(f"losses: {report.losses[0]}")
+            return 0 if report.equal else 1
+        summary = loop.train(
+            model_cfg,
+            train_cfg,
+            resume=args.resume,
+            overwrite=args.overwrite,
+            progress=not args.no_progress,
+            sample=not args.no_sample,
+        )
+    except (data_lib.DataError, loop.WorkdirInUse, ValueError) as e:
+        parser.error(str(e))
+    except loop.TrainingDiverged as e:
+        print(f"python -m train: {e}", file=sys.stderr)
+        return 3
+    import jax
+
+    if jax.process_index() == 0:
+        first = summary.losses[0] if summary.losses else None
+        rate = f"{summary.tokens_per_s:,.0f}" if summary.tokens_per_s else "n/a"
+        eval_text = (
+            f"{summary.final_eval_loss:.4f}" if summary.final_eval_loss is not None else "n/a"
+        )
+        print(
+            f"done: steps {summary.start_step} -> {summary.steps}, loss "
+            f"{first if first is None else f'{first:.4f}'} -> "
+            f"{summary.final_loss if summary.final_loss is None else f'{summary.final_loss:.4f}'}"
+            f", eval loss {eval_text}, {rate} tokens/s, {summary.time_s:.1f} s; "
+            f"outputs in {summary.workdir}"
+        )
+        print(loop.summary_json(summary))
+    return 0
+
+
+def main_sample(argv: Sequence[str]) -> int:
+    parser = _sample_parser()
+    args = parser.parse_args(argv)
+    if args.max_new_bytes < 1:
+        parser.error(f"--max-new-bytes={args.max_new_bytes} must be >= 1")
+    if not args.temperature >= 0:
+        parser.error(f"--temperature={args.temperature} must be >= 0")
+    _set_devices(1, parser)
+    import pathlib
+
+    from train.checkpoint import Checkpoints, read_run_configs
+    from train.sample import format_samples, generate
+    from train.step import Trainer
+
+    workdir = pathlib.Path(args.workdir)
+    prompts = [p.encode() for p in (args.prompt or ["\n"])]
+    try:
+        model_cfg, train_cfg = read_run_configs(workdir)
+        import dataclasses
+
+        trainer = Trainer(model_cfg, dataclasses.replace(train_cfg, implementation="xla"), None)
+        checkpoints = Checkpoints(workdir)
+        state = checkpoints.restore(trainer)
+        checkpoints.close()
+        continuations = generate(
+            trainer.model(state),
+            prompts,
+            max_new_bytes=args.max_new_bytes,
+            temperature=args.temperature,
+            seed=args.seed,
+        )
+    except (FileNotFoundError, ValueError) as e:
+        parser.error(str(e))
+    print(f"step {int(state.step)} of {workdir}")
+    print(format_samples(prompts, continuations, args.temperature))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "sample":
+        return main_sample(argv[1:])
+    return main_train(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

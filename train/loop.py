@@ -1,0 +1,409 @@
+"""The training loop: mesh, model and state (fresh or restored), steps, evaluation, metrics,
+checkpoints, and at the end the plot and a few sampled lines.
+
+    summary = train(PRESETS["tiny"].model, PRESETS["tiny"].train)
+
+Batch `step` is a pure function of (data, seed, step) (`data.batch_at`), and the state holds
+everything else, so a run stopped at step n and resumed to m computes what one run of m steps
+computes. Multi-process: every process runs this same function; the mesh spans all processes'
+devices, each process feeds its rows of every batch, and only process 0 writes logs, the plot
+and the samples (orbax coordinates the checkpoints).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+import shutil
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from train import data as data_lib
+from train.checkpoint import Checkpoints, read_model_config, write_config
+from train.config import ModelConfig, TrainConfig
+from train.metrics import RunLogger
+from train.model import model_flops_per_token, peak_flops
+from train.plots import plot_run
+from train.sample import format_samples, generate, host_params
+from train.step import Trainer, TrainState, make_train_mesh
+
+PLOT_FILE = "metrics.png"
+SAMPLES_FILE = "samples.txt"
+SAMPLE_TEMPERATURE = 0.8
+SAMPLE_BYTES = 240
+SAMPLE_PROMPTS = 3
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or the gradient norm became NaN or Inf; the checkpoints before it stay."""
+
+    def __init__(self, step: int, loss: float, grad_norm: float, last_checkpoint: int | None):
+        self.step = step
+        self.last_checkpoint = last_checkpoint
+        kept = (
+            f"the last good checkpoint is step {last_checkpoint}"
+            if last_checkpoint is not None
+            else "no checkpoint was saved before it"
+        )
+        super().__init__(
+            f"training diverged at step {step}: loss={loss}, grad_norm={grad_norm} "
+            f"(not finite); {kept}"
+        )
+
+
+class WorkdirInUse(ValueError):
+    """A fresh run was asked for in a workdir that holds another run's checkpoints."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Summary:
+    """What a run reports at the end.
+
+    Attributes:
+      start_step: the step the run started from (0, or the restored checkpoint's).
+      steps: the step it ended at.
+      final_loss: the train loss of the last step (None when no step ran).
+      final_eval_loss: the last evaluation's loss (None without evaluation).
+      tokens_per_s: mean throughput over the steps after the first (which compiles).
+      time_s: wall time of the whole call.
+      losses: the train loss of every step run, in order.
+      workdir: the run's folder.
+      samples: the sampled text (None on processes other than 0).
+    """
+
+    start_step: int
+    steps: int
+    final_loss: float | None
+    final_eval_loss: float | None
+    tokens_per_s: float | None
+    time_s: float
+    losses: list[float]
+    workdir: pathlib.Path
+    samples: str | None
+
+
+def _expert_load(tokens_per_expert: np.ndarray) -> tuple[list[list[float]], list[float]]:
+    """tokens_per_expert [L, E] -> (each expert's share per layer, max over mean per layer)."""
+    counts = tokens_per_expert.astype(np.float64)
+    totals = np.maximum(counts.sum(axis=1, keepdims=True), 1.0)
+    shares = counts / totals
+    mean = np.maximum(counts.mean(axis=1), 1e-12)
+    return shares.tolist(), (counts.max(axis=1) / mean).tolist()
+
+
+def _prepare_workdir(workdir: pathlib.Path, *, resume: bool, overwrite: bool) -> None:
+    """Makes the folder; refuses to start a fresh run over another run's checkpoints."""
+    checkpoints = workdir / "checkpoints"
+    if overwrite and jax.process_index() == 0:
+        for name in ("checkpoints", "tensorboard"):
+            shutil.rmtree(workdir / name, ignore_errors=True)
+        for name in ("metrics.jsonl", PLOT_FILE, SAMPLES_FILE, "config.json"):
+            (workdir / name).unlink(missing_ok=True)
+    elif not resume and checkpoints.is_dir() and any(checkpoints.iterdir()):
+        raise WorkdirInUse(
+            f"{workdir} already holds a run's checkpoints: --resume continues it, --overwrite "
+            "starts over (deleting it), or choose another --workdir"
+        )
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("train: workdir prepared")
+    workdir.mkdir(parents=True, exist_ok=True)
+
+
+def _check_same_model(workdir: pathlib.Path, model_cfg: ModelConfig) -> None:
+    saved = read_model_config(workdir)
+    if saved != model_cfg:
+        raise ValueError(
+            f"--resume: the run in {workdir} has another model config ({saved}), not "
+            f"({model_cfg}); use the same preset and model flags"
+        )
+
+
+def _run_config(model_cfg: ModelConfig, train_cfg: TrainConfig) -> ModelConfig:
+    """The model config as the run uses it (the MoE implementation from the train config)."""
+    moe = dataclasses.replace(model_cfg.moe, implementation=train_cfg.implementation)
+    return dataclasses.replace(model_cfg, moe=moe)
+
+
+class _Run:
+    """The mutable parts of one call of `train`."""
+
+    def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, mesh):
+        self.cfg = train_cfg
+        self.trainer = Trainer(model_cfg, train_cfg, mesh)
+        self.pid, self.nproc = jax.process_index(), jax.process_count()
+        data = data_lib.load_bytes(train_cfg.data)
+        self.train_data, self.eval_data = data_lib.split(
+            data, train_cfg.eval_fraction, seq_len=train_cfg.seq_len
+        )
+        local = dict(process_index=self.pid, process_count=self.nproc)
+        self.eval_set = (
+            [
+                (self.trainer.place_batch(x), self.trainer.place_batch(y))
+                for x, y in data_lib.eval_batches(
+                    self.eval_data,
+                    batch_size=train_cfg.batch_size,
+                    seq_len=train_cfg.seq_len,
+                    num_batches=train_cfg.eval_batches,
+                    **local,
+                )
+            ]
+            if train_cfg.eval_every
+            else []
+        )
+        self.local = local
+        self.tokens_per_step = train_cfg.batch_size * train_cfg.seq_len
+        flops = model_flops_per_token(self.trainer.model_cfg, train_cfg.seq_len)
+        peak = peak_flops(jax.devices()[0])
+        num_devices = 1 if mesh is None else mesh.size
+        self.peak_total = None if peak is None else peak * num_devices
+        self.flops_per_token = flops
+
+    def batch(self, step: int) -> tuple[jax.Array, jax.Array]:
+        x, y = data_lib.batch_at(
+            self.train_data,
+            step,
+            batch_size=self.cfg.batch_size,
+            seq_len=self.cfg.seq_len,
+            seed=self.cfg.seed,
+            **self.local,
+        )
+        return self.trainer.place_batch(x), self.trainer.place_batch(y)
+
+    def evaluate(self, state: TrainState) -> float:
+        losses = [self.trainer.eval_loss(state, x, y) for x, y in self.eval_set]
+        return float(np.mean(jax.device_get(losses)))
+
+    def record(self, step: int, metrics: dict[str, Any], seconds: float, time_s: float) -> dict:
+        shares, max_over_mean = _expert_load(np.asarray(metrics["tokens_per_expert"]))
+        tokens_per_s = self.tokens_per_step / seconds
+        mfu = None
+        if self.peak_total is not None:
+            mfu = self.flops_per_token * tokens_per_s / self.peak_total
+        return {
+            "step": step,
+            "loss": float(metrics["loss"]),
+            "total_loss": float(metrics["total_loss"]),
+            "lr": float(metrics["lr"]),
+            "grad_norm": float(metrics["grad_norm"]),
+            "tokens_per_s": tokens_per_s,
+            "mfu": mfu,
+            "expert_load": shares,
+            "load_max_over_mean": max_over_mean,
+            "dropped": int(metrics["dropped"]),
+            "time_s": time_s,
+        }
+
+
+StateHook = Callable[[int, TrainState], TrainState]
+
+
+def train(
+    model_cfg: ModelConfig,
+    train_cfg: TrainConfig,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    progress: bool = True,
+    sample: bool = True,
+    state_hook: StateHook | None = None,
+    log: Callable[[str], None] = print,
+) -> Summary:
+    """Trains the model of `model_cfg` as `train_cfg` says, in `train_cfg.workdir`.
+
+    Args:
+      model_cfg: the model.
+      train_cfg: the run (steps, schedule, batch, data, mesh, workdir, ...).
+      resume: continue from the latest finished checkpoint in the workdir (a fresh start when
+        there is none).
+      overwrite: delete a previous run's checkpoints and logs in the workdir first.
+      progress: show the progress bar (process 0).
+      sample: at the end, sample a few lines from the model into workdir/samples.txt.
+      state_hook: called as `state = state_hook(step, state)` before each step (0-based step
+        about to run); for tests (e.g. injecting a NaN).
+      log: where the run's messages go (process 0 only).
+
+    Returns:
+      A `Summary`.
+
+    Raises:
+      TrainingDiverged: the loss or gradient norm was NaN or Inf at some step; nothing is saved
+        from that step on, so the latest checkpoint is the last good one.
+      WorkdirInUse: a fresh run over another run's checkpoints (without resume or overwrite).
+      data.DataError, ValueError: bad data or configs that do not fit the mesh.
+    """
+    started = time.perf_counter()
+    workdir = pathlib.Path(train_cfg.workdir)
+    say = log if jax.process_index() == 0 else (lambda _: None)
+    _prepare_workdir(workdir, resume=resume, overwrite=overwrite)
+    mesh = make_train_mesh(train_cfg)
+    run = _Run(model_cfg, train_cfg, mesh)
+    trainer = run.trainer
+    checkpoints = Checkpoints(workdir)
+    latest = checkpoints.latest_step() if resume else None
+    if latest is not None:
+        _check_same_model(workdir, trainer.model_cfg)
+        state = checkpoints.restore(trainer, latest)
+        say(f"resumed from {checkpoints.directory} at step {latest}")
+    else:
+        state = trainer.init_state()
+    start = int(jax.device_get(state.step))
+    if run.pid == 0:
+        write_config(workdir, trainer.model_cfg, {"train": dataclasses.asdict(train_cfg)})
+    say(
+        f"mesh {dict(mesh.shape)} on {mesh.size} {jax.devices()[0].platform} devices "
+        f"({run.nproc} process{'es' if run.nproc > 1 else ''}); steps {start} -> "
+        f"{train_cfg.steps}; batch {train_cfg.batch_size} x {train_cfg.seq_len} tokens; "
+        f"data {train_cfg.data!r} ({run.train_data.size:,} train / {run.eval_data.size:,} eval "
+        f"bytes); workdir {workdir}"
+    )
+    logger = RunLogger(
+        workdir,
+        total_steps=train_cfg.steps,
+        start_step=start,
+        enabled=run.pid == 0,
+        progress=progress,
+    )
+    losses: list[float] = []
+    eval_loss = None
+    saved = latest
+    steady_tokens, steady_seconds = 0, 0.0
+    try:
+        for step in range(start, train_cfg.steps):
+            if state_hook is not None:
+                state = state_hook(step, state)
+            inputs, targets = run.batch(step)
+            tick = time.perf_counter()
+            state, metrics = trainer.train_step(state, inputs, targets)
+            metrics = jax.device_get(metrics)
+            seconds = time.perf_counter() - tick
+            done = step + 1
+            loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
+            if not (
+                math.isfinite(loss)
+                and math.isfinite(float(metrics["total_loss"]))
+                and math.isfinite(grad_norm)
+            ):
+                raise TrainingDiverged(done, loss, grad_norm, checkpoints.latest_step())
+            if step > start:
+                steady_tokens += run.tokens_per_step
+                steady_seconds += seconds
+            losses.append(loss)
+            record = run.record(done, metrics, seconds, time.perf_counter() - started)
+            if run.eval_set and (done % train_cfg.eval_every == 0 or done == train_cfg.steps):
+                eval_loss = run.evaluate(state)
+                record["eval_loss"] = eval_loss
+            logger.log(record)
+            if train_cfg.save_every and done % train_cfg.save_every == 0:
+                saved = checkpoints.save(state)
+        if int(jax.device_get(state.step)) != saved:
+            saved = checkpoints.save(state)
+    finally:
+        logger.close()
+        checkpoints.close()
+    samples = _finish(run, state, workdir, say, sample=sample)
+    tokens_per_s = steady_tokens / steady_seconds if steady_seconds else None
+    return Summary(
+        start_step=start,
+        steps=int(jax.device_get(state.step)),
+        final_loss=losses[-1] if losses else None,
+        final_eval_loss=eval_loss,
+        tokens_per_s=tokens_per_s,
+        time_s=time.perf_counter() - started,
+        losses=losses,
+        workdir=workdir,
+        samples=samples,
+    )
+
+
+def _finish(run: _Run, state: TrainState, workdir: pathlib.Path, say, *, sample: bool):
+    """The plot and the samples (process 0 writes them)."""
+    metrics_path = workdir / "metrics.jsonl"
+    if run.pid == 0 and metrics_path.is_file() and metrics_path.stat().st_size:
+        png = plot_run(metrics_path, workdir / PLOT_FILE)
+        say(f"plot: {png}")
+    if not sample:
+        return None
+    prompts = _prompts(run.eval_data)
+    model = run.trainer.model(state)
+    continuations = generate(
+        model, prompts, max_new_bytes=SAMPLE_BYTES, temperature=SAMPLE_TEMPERATURE
+    )
+    if run.pid != 0:
+        return None
+    text = format_samples(prompts, continuations, SAMPLE_TEMPERATURE)
+    (workdir / SAMPLES_FILE).write_text(text, encoding="utf-8")
+    say(f"samples ({workdir / SAMPLES_FILE}):\n{text}")
+    return text
+
+
+def _prompts(eval_data: np.ndarray) -> list[bytes]:
+    """A few prompts from the held-out text: the start of the first lines after evenly spaced
+    points (one line, at most 40 bytes each)."""
+    raw = bytes(eval_data)
+    prompts = []
+    for i in range(SAMPLE_PROMPTS):
+        at = raw.find(b"\n", i * len(raw) // SAMPLE_PROMPTS)
+        line = raw[at + 1 :].split(b"\n", 1)[0][:40] if at >= 0 else raw[:40]
+        prompts.append(line if line.strip() else raw[:16])
+    return prompts
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DeterminismReport:
+    """Two runs of the same steps from fresh states: are they bitwise equal?"""
+
+    steps: int
+    losses_equal: bool
+    params_equal: bool
+    first_difference: int | None  # the first step whose losses differ
+    losses: tuple[list[float], list[float]]
+
+    @property
+    def equal(self) -> bool:
+        return self.losses_equal and self.params_equal
+
+
+def check_determinism(model_cfg: ModelConfig, train_cfg: TrainConfig) -> DeterminismReport:
+    """Runs `train_cfg.steps` steps twice, each from a fresh state (no checkpoints, no logs),
+    and compares the losses and the final parameters bit for bit."""
+    mesh = make_train_mesh(train_cfg)
+    run = _Run(model_cfg, train_cfg, mesh)
+    results = []
+    for _ in range(2):
+        state = run.trainer.init_state()
+        losses = []
+        for step in range(train_cfg.steps):
+            state, metrics = run.trainer.train_step(state, *run.batch(step))
+            losses.append(np.asarray(jax.device_get(metrics["loss"])))
+        results.append((losses, host_params(state.params)))
+    (losses_a, params_a), (losses_b, params_b) = results
+    differ = [
+        i
+        for i, (a, b) in enumerate(zip(losses_a, losses_b, strict=True))
+        if a.tobytes() != b.tobytes()
+    ]
+    params_equal = all(
+        np.asarray(a).tobytes() == np.asarray(b).tobytes()
+        for a, b in zip(jax.tree.leaves(params_a), jax.tree.leaves(params_b), strict=True)
+    )
+    return DeterminismReport(
+        steps=train_cfg.steps,
+        losses_equal=not differ,
+        params_equal=params_equal,
+        first_difference=differ[0] + 1 if differ else None,
+        losses=([float(x) for x in losses_a], [float(x) for x in losses_b]),
+    )
+
+
+def summary_json(summary: Summary) -> str:
+    """The summary as one JSON line (without the per-step losses and samples)."""
+    keys = ("start_step", "steps", "final_loss", "final_eval_loss", "tokens_per_s", "time_s")
+    return json.dumps({k: getattr(summary, k) for k in keys} | {"workdir": str(summary.workdir)})

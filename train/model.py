@@ -1,0 +1,225 @@
+"""A decoder-only byte-level language model with `mok_jax.MoE` feed-forward blocks (Flax NNX).
+
+  tokens [B, S] int32
+  -> embedding (a one-hot matmul: its gradient is a dot, not a scatter-add)      [B, S, D]
+  -> L blocks: x += attention(rmsnorm(x)); x += ffn(rmsnorm(x))
+       attention: causal, rotary positions, `jax.nn.dot_product_attention`
+       ffn: `mok_jax.MoE` in every `moe_every`-th block, a dense SwiGLU in the others
+  -> rmsnorm -> output head (untied from the embedding)                          [B, S, V] f32
+
+Every variable carries its `out_sharding` (dense weights replicated; the MoE's experts over the
+`expert` mesh axis), so the training step reads the state's shardings off the model. Under
+`jax.set_mesh(mesh)` the MoE blocks run expert parallel; the dense parts follow the batch's
+sharding (batch over (`data`, `expert`)).
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import Array
+
+import mok_jax
+from mok_jax import MoEAux
+from train.config import ModelConfig
+
+
+def _eager() -> bool:
+    """Place variables at creation when a mesh with the MoE's axes is set (as `mok_jax.MoE`)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and {"data", "expert"} <= set(mesh.axis_names)
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], *, fan_in: int | None = None) -> nnx.Param:
+    """A replicated f32 weight: truncated normal (at 2 sigma) scaled by 1 / sqrt(fan_in)
+    (fan_in: shape[0] by default)."""
+    fan_in = shape[0] if fan_in is None else fan_in
+    value = jax.random.truncated_normal(rngs.params(), -2.0, 2.0, shape, jnp.float32)
+    value = value * jnp.float32(fan_in**-0.5)
+    return nnx.Param(value, out_sharding=(None,) * len(shape), eager_sharding=_eager())
+
+
+class RMSNorm(nnx.Module):
+    """x * rsqrt(mean(x^2) + eps) * scale, computed in f32, returned in `dtype`."""
+
+    def __init__(self, dim: int, *, dtype: jnp.dtype, eps: float = 1e-6):
+        self.scale = nnx.Param(
+            jnp.ones((dim,), jnp.float32), out_sharding=(None,), eager_sharding=_eager()
+        )
+        self.dtype = dtype
+        self.eps = eps
+
+    def __call__(self, x_bsd: Array) -> Array:
+        x = x_bsd.astype(jnp.float32)
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+        return (x * self.scale[...]).astype(self.dtype)
+
+
+def rotary(x_bsnh: Array, theta: float) -> Array:
+    """Rotary position embedding of [B, S, N, H] at positions 0..S-1 (halves rotated, f32)."""
+    seq_len, head_dim = x_bsnh.shape[1], x_bsnh.shape[3]
+    half = head_dim // 2
+    freq_h = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle_sh = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * freq_h[None, :]
+    cos, sin = jnp.cos(angle_sh)[None, :, None, :], jnp.sin(angle_sh)[None, :, None, :]
+    x = x_bsnh.astype(jnp.float32)
+    x1, x2 = x[..., :half], x[..., half:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_bsnh.dtype)
+
+
+class Attention(nnx.Module):
+    """Causal multi-head self-attention with rotary positions: [B, S, D] -> [B, S, D]."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, nh = cfg.d_model, cfg.n_heads * cfg.head_dim
+        self.w_qkv = _param(rngs, (d, 3, cfg.n_heads, cfg.head_dim), fan_in=d)
+        self.w_out = _param(rngs, (cfg.n_heads, cfg.head_dim, d), fan_in=nh)
+        self.cfg = cfg
+
+    def __call__(self, x_bsd: Array) -> Array:
+        cfg = self.cfg
+        w_qkv = self.w_qkv[...].astype(cfg.dtype)
+        qkv = jnp.einsum("bsd,dtnh->tbsnh", x_bsd, w_qkv)
+        q, k = rotary(qkv[0], cfg.rope_theta), rotary(qkv[1], cfg.rope_theta)
+        out_bsnh = jax.nn.dot_product_attention(q, k, qkv[2], is_causal=True)
+        return jnp.einsum("bsnh,nhd->bsd", out_bsnh, self.w_out[...].astype(cfg.dtype))
+
+
+class SwiGLU(nnx.Module):
+    """A dense SwiGLU feed-forward: silu(x W_gate) * (x W_up) W_down."""
+
+    def __init__(self, d_model: int, d_ff: int, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.w_gate = _param(rngs, (d_model, d_ff))
+        self.w_up = _param(rngs, (d_model, d_ff))
+        self.w_down = _param(rngs, (d_ff, d_model))
+        self.dtype = dtype
+
+    def __call__(self, x_bsd: Array) -> Array:
+        def w(p: nnx.Param) -> Array:
+            return p[...].astype(self.dtype)
+
+        h = jax.nn.silu(x_bsd @ w(self.w_gate)) * (x_bsd @ w(self.w_up))
+        return h @ w(self.w_down)
+
+
+class Block(nnx.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then + ffn(norm(x)) (MoE or dense)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.d_model, dtype=cfg.dtype)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.ffn_norm = RMSNorm(cfg.d_model, dtype=cfg.dtype)
+        self.is_moe = cfg.is_moe(layer)
+        if self.is_moe:
+            self.ffn = mok_jax.MoE(cfg.moe, rngs=rngs)
+        else:
+            self.ffn = SwiGLU(cfg.d_model, cfg.dense_width, dtype=cfg.dtype, rngs=rngs)
+
+    def __call__(self, x_bsd: Array) -> tuple[Array, MoEAux | None]:
+        x_bsd = x_bsd + self.attn(self.attn_norm(x_bsd))
+        h = self.ffn_norm(x_bsd)
+        if self.is_moe:
+            y, aux = self.ffn(h)
+            return x_bsd + y.astype(x_bsd.dtype), aux
+        return x_bsd + self.ffn(h), None
+
+
+class LanguageModel(nnx.Module):
+    """The byte-level MoE language model.
+
+    Args:
+      cfg: the `ModelConfig`.
+      rngs: `nnx.Rngs` whose `params` stream initializes every weight.
+
+    Example:
+      >>> model = LanguageModel(PRESETS["tiny"].model, rngs=nnx.Rngs(0))
+      >>> logits, auxes = model(jnp.zeros((2, 16), jnp.int32))
+      >>> logits.shape, len(auxes)
+      ((2, 16, 256), 2)
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), fan_in=1)
+        self.blocks = nnx.List([Block(cfg, l, rngs=rngs) for l in range(cfg.n_layers)])
+        self.final_norm = RMSNorm(cfg.d_model, dtype=cfg.dtype)
+        self.head = _param(rngs, (cfg.d_model, cfg.vocab_size))
+
+    def __call__(self, tokens_bs: Array) -> tuple[Array, tuple[MoEAux, ...]]:
+        """tokens int32 [B, S] -> (logits f32 [B, S, V], one `MoEAux` per MoE block)."""
+        cfg = self.cfg
+        if tokens_bs.ndim != 2 or not jnp.issubdtype(tokens_bs.dtype, jnp.integer):
+            raise ValueError(f"tokens must be int [B, S], got {tokens_bs.dtype}{tokens_bs.shape}")
+        if tokens_bs.shape[1] > cfg.max_seq_len:
+            raise ValueError(f"S={tokens_bs.shape[1]} > max_seq_len={cfg.max_seq_len}")
+        onehot_bsv = jax.nn.one_hot(tokens_bs, cfg.vocab_size, dtype=cfg.dtype)
+        x_bsd = onehot_bsv @ self.embed[...].astype(cfg.dtype)
+        auxes = []
+        for block in self.blocks:
+            x_bsd, aux = block(x_bsd)
+            if aux is not None:
+                auxes.append(aux)
+        x_bsd = self.final_norm(x_bsd)
+        logits_bsv = jnp.dot(
+            x_bsd.astype(jnp.float32), self.head[...], preferred_element_type=jnp.float32
+        )
+        return logits_bsv, tuple(auxes)
+
+
+def cross_entropy(logits_bsv: Array, targets_bs: Array) -> Array:
+    """Mean next-byte cross-entropy, f32 [] (targets selected by a one-hot product: no gather,
+    so no scatter-add in the gradient)."""
+    logits = logits_bsv.astype(jnp.float32)
+    target_logit = jnp.sum(
+        logits * jax.nn.one_hot(targets_bs, logits.shape[-1], dtype=jnp.float32), axis=-1
+    )
+    return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - target_logit)
+
+
+def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward = 3x forward; 2 FLOPs per multiply-add).
+
+    Counts the active parameters' matmuls: attention projections, the attention scores and
+    values at the full sequence length (PaLM's convention, no causal halving), the router, the
+    K routed experts and the shared experts of each MoE block, the dense SwiGLU blocks and the
+    output head; not the embedding lookup, norms or softmaxes.
+    """
+    d, nh, moe = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.moe
+    attention = 2 * d * 3 * nh + 2 * nh * d + 2 * 2 * seq_len * nh
+    moe_ffn = 2 * d * moe.num_experts + (moe.top_k + moe.num_shared_experts) * 3 * 2 * d * moe.d_ff
+    dense_ffn = 3 * 2 * d * cfg.dense_width
+    forward = cfg.n_layers * attention + 2 * d * cfg.vocab_size
+    forward += cfg.num_moe_layers * moe_ffn + (cfg.n_layers - cfg.num_moe_layers) * dense_ffn
+    return 3.0 * forward
+
+
+# Dense bf16 peak FLOP/s per device (no sparsity), from the vendors' data sheets; matched
+# against `jax.Device.device_kind`.
+PEAK_FLOPS: dict[str, float] = {
+    r"H200": 989e12,
+    r"H100": 989e12,
+    r"A100": 312e12,
+}
+
+
+def peak_flops(device: jax.Device) -> float | None:
+    """The device's dense bf16 peak FLOP/s, or None where unknown (CPUs)."""
+    if device.platform == "cpu":
+        return None
+    for pattern, flops in PEAK_FLOPS.items():
+        if re.search(pattern, device.device_kind):
+            return flops
+    return None
+
+
+def count_params(model: LanguageModel) -> tuple[int, int]:
+    """(total parameters, active parameters per token): routed experts count K of E."""
+    total = sum(p.size for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    moe = model.cfg.moe
+    per_expert = 3 * moe.d_model * moe.d_ff
+    inactive = model.cfg.num_moe_layers * (moe.num_experts - moe.top_k) * per_expert
+    return int(total), int(total - inactive)

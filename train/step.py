@@ -1,0 +1,274 @@
+"""The optimizer, the training state and the jitted train and eval steps over a (data, expert)
+mesh.
+
+The state is one pytree (`TrainState`: step, parameters, router biases, optimizer state) of
+plain dicts of arrays, so orbax saves and restores it as is. The train step is compiled once,
+with explicit in/out shardings (parameters as their variables' `out_sharding` metadata says:
+experts over `expert`, the rest replicated; the batch over (`data`, `expert`)), the state
+donated, and mok_jax's deterministic compile options.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from typing import Any
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax import Array
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+import mok_jax
+from train.config import ModelConfig, TrainConfig
+from train.model import LanguageModel, cross_entropy
+
+# The batch's sharding: sequences over every device of the mesh.
+BATCH_SPEC = PartitionSpec(("data", "expert"), None)
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["step", "params", "model_state", "opt_state"],
+    meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    """Everything a run carries from step to step (a pytree; what a checkpoint holds).
+
+    Attributes:
+      step: int32 [] optimizer steps taken.
+      params: the trained weights, a nested dict of f32 arrays (`nnx.to_pure_dict`).
+      model_state: the non-trained variables (the MoE blocks' router biases), a nested dict.
+      opt_state: the optax state of `make_optimizer`.
+    """
+
+    step: Array
+    params: dict[str, Any]
+    model_state: dict[str, Any]
+    opt_state: optax.OptState
+
+
+def make_schedule(cfg: TrainConfig) -> optax.Schedule:
+    """The learning rate of update `count` (0-based): linear warmup reaching peak_lr at update
+    warmup_steps, then a cosine decay to peak_lr * min_lr_ratio at update schedule_steps."""
+    base = optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=cfg.peak_lr,
+        warmup_steps=cfg.warmup_steps,
+        decay_steps=cfg.schedule_steps,
+        end_value=cfg.peak_lr * cfg.min_lr_ratio,
+    )
+    # Shifted by one so the first update does not have a learning rate of 0.
+    return lambda count: base(count + 1)
+
+
+def _decay_mask(params: dict[str, Any]) -> dict[str, Any]:
+    """Weight decay on matrices only (not the norms' scales)."""
+    return jax.tree.map(lambda p: p.ndim >= 2, params)
+
+
+def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW (b1 0.9, b2 0.95) on the schedule of `make_schedule`."""
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.clip_norm),
+        optax.adamw(
+            make_schedule(cfg), b1=0.9, b2=0.95, weight_decay=cfg.weight_decay, mask=_decay_mask
+        ),
+    )
+
+
+def make_train_mesh(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> Mesh:
+    """The (data, expert) mesh of a run: the first `cfg.devices` devices (all by default)."""
+    devices = list(jax.devices() if devices is None else devices)
+    if cfg.devices is not None:
+        if cfg.devices > len(devices):
+            raise ValueError(f"devices={cfg.devices} but only {len(devices)} are available")
+        devices = devices[: cfg.devices]
+    if cfg.layout == "expert":
+        return mok_jax.make_mesh("expert", devices=devices)
+    return mok_jax.make_mesh("data_expert", data=cfg.data_parallel or 1, devices=devices)
+
+
+def _spec(a: jax.ShapeDtypeStruct) -> PartitionSpec:
+    """The spec of an abstract array of the state (a scalar without one is replicated)."""
+    return PartitionSpec() if a.sharding is None else a.sharding.spec
+
+
+class Trainer:
+    """The model's graph, the optimizer and the compiled steps for one mesh.
+
+    Args:
+      model_cfg: the `ModelConfig` (its MoE implementation is replaced by `train_cfg`'s).
+      train_cfg: the `TrainConfig`.
+      mesh: the (data, expert) mesh (see `make_train_mesh`), or None for one device without a
+        mesh (any MoE implementation).
+      max_traces: if set, the train step raises when traced more often (`chex.assert_max_traces`).
+    """
+
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        train_cfg: TrainConfig,
+        mesh: Mesh | None,
+        *,
+        max_traces: int | None = None,
+    ):
+        moe_cfg = dataclasses.replace(model_cfg.moe, implementation=train_cfg.implementation)
+        self.model_cfg = dataclasses.replace(model_cfg, moe=moe_cfg)
+        self.train_cfg = train_cfg
+        self.mesh = mesh
+        self.tx = make_optimizer(train_cfg)
+        self.schedule = make_schedule(train_cfg)
+        self._check()
+        with self.context():
+            abstract = nnx.eval_shape(lambda: LanguageModel(self.model_cfg, rngs=nnx.Rngs(0)))
+            self.graphdef, _, _ = nnx.split(abstract, nnx.Param, ...)
+            self.abstract_state = jax.eval_shape(self._init)
+        if mesh is None:
+            self.state_shardings = None
+            self.batch_sharding = None
+        else:
+            self.state_shardings = jax.tree.map(
+                lambda a: NamedSharding(mesh, _spec(a)), self.abstract_state
+            )
+            self.batch_sharding = NamedSharding(mesh, BATCH_SPEC)
+        step_fn = self._train_step
+        if max_traces is not None:
+            step_fn = chex.assert_max_traces(step_fn, n=max_traces)
+        options = mok_jax.deterministic_compiler_options()
+        if mesh is None:
+            self._step = jax.jit(step_fn, donate_argnums=0, compiler_options=options)
+            self._eval = jax.jit(self._eval_loss, compiler_options=options)
+        else:
+            replicated = NamedSharding(mesh, PartitionSpec())
+            batch = (self.batch_sharding, self.batch_sharding)
+            self._step = jax.jit(
+                step_fn,
+                in_shardings=(self.state_shardings, *batch),
+                out_shardings=(self.state_shardings, replicated),
+                donate_argnums=0,
+                compiler_options=options,
+            )
+            self._eval = jax.jit(
+                self._eval_loss,
+                in_shardings=(self.state_shardings, *batch),
+                out_shardings=replicated,
+                compiler_options=options,
+            )
+
+    def _check(self) -> None:
+        cfg, mesh = self.train_cfg, self.mesh
+        if cfg.seq_len > self.model_cfg.max_seq_len:
+            raise ValueError(f"seq_len={cfg.seq_len} > max_seq_len={self.model_cfg.max_seq_len}")
+        if mesh is None:
+            return
+        if cfg.implementation != "xla":
+            raise ValueError(
+                f"implementation={cfg.implementation!r} runs on one device without a mesh; "
+                "under a mesh use 'xla'"
+            )
+        ep, devices = mesh.shape["expert"], mesh.size
+        experts = self.model_cfg.moe.num_experts
+        if experts % ep:
+            raise ValueError(f"num_experts={experts} must be divisible by the expert degree {ep}")
+        if cfg.batch_size % devices:
+            raise ValueError(
+                f"batch_size={cfg.batch_size} must be divisible by the {devices} devices"
+            )
+
+    @contextlib.contextmanager
+    def context(self):
+        """The mesh context the model runs under (nothing without a mesh)."""
+        if self.mesh is None:
+            yield
+        else:
+            with jax.set_mesh(self.mesh):
+                yield
+
+    # -- state -------------------------------------------------------------------------------
+
+    def _init(self) -> TrainState:
+        model = LanguageModel(self.model_cfg, rngs=nnx.Rngs(self.train_cfg.seed))
+        _, params, rest = nnx.split(model, nnx.Param, ...)
+        params, rest = nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            model_state=rest,
+            opt_state=self.tx.init(params),
+        )
+
+    def init_state(self) -> TrainState:
+        """A fresh state (the seed's initialization), placed on the mesh."""
+        with self.context():
+            return jax.jit(self._init, out_shardings=self.state_shardings)()
+
+    def model(self, state: TrainState) -> LanguageModel:
+        """The NNX model holding `state`'s weights and router biases."""
+        return nnx.merge(self.graphdef, state.params, state.model_state)
+
+    # -- steps -------------------------------------------------------------------------------
+
+    def _losses(self, params, model_state, inputs, targets):
+        logits, auxes = nnx.merge(self.graphdef, params, model_state)(inputs)
+        lm_loss = cross_entropy(logits, targets)
+        total = lm_loss + sum((aux.loss for aux in auxes), jnp.zeros((), jnp.float32))
+        return total, (lm_loss, auxes)
+
+    def _train_step(self, state: TrainState, inputs: Array, targets: Array):
+        grad_fn = jax.value_and_grad(self._losses, has_aux=True)
+        (total, (lm_loss, auxes)), grads = grad_fn(state.params, state.model_state, inputs, targets)
+        updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        model_state = state.model_state
+        rate = self.train_cfg.router_bias_rate
+        if rate > 0:
+            model = nnx.merge(self.graphdef, params, model_state)
+            moe_blocks = [b.ffn for b in model.blocks if b.is_moe]
+            for layer, aux in zip(moe_blocks, auxes, strict=True):
+                layer.update_router_bias(aux.tokens_per_expert, rate=rate)
+            model_state = nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param)))
+        metrics = {
+            "loss": lm_loss,
+            "total_loss": total,
+            "grad_norm": optax.global_norm(grads),
+            "lr": jnp.asarray(self.schedule(state.step), jnp.float32),
+            "tokens_per_expert": jnp.stack([aux.tokens_per_expert for aux in auxes]),
+            "dropped": sum((aux.dropped for aux in auxes), jnp.zeros((), jnp.int32)),
+            "rounds": jnp.stack([aux.rounds for aux in auxes]),
+        }
+        new_state = TrainState(
+            step=state.step + 1, params=params, model_state=model_state, opt_state=opt_state
+        )
+        return new_state, metrics
+
+    def _eval_loss(self, state: TrainState, inputs: Array, targets: Array) -> Array:
+        return self._losses(state.params, state.model_state, inputs, targets)[1][0]
+
+    def place_batch(self, local: np.ndarray) -> Array:
+        """This process's rows of a global batch [B / processes, S] -> the global array [B, S]
+        sharded over the mesh (one device without a mesh)."""
+        if self.mesh is None:
+            return jnp.asarray(local)
+        return jax.make_array_from_process_local_data(self.batch_sharding, local)
+
+    def train_step(
+        self, state: TrainState, inputs: Array, targets: Array
+    ) -> tuple[TrainState, dict[str, Array]]:
+        """One update: (state, inputs int32 [B, S], targets int32 [B, S]) -> (new state,
+        metrics). `state` is donated: do not use it afterwards. Metrics: loss (LM
+        cross-entropy), total_loss (plus the MoE aux and z losses), grad_norm (before
+        clipping), lr, tokens_per_expert int32 [MoE layers, E], dropped, rounds [MoE layers]."""
+        with self.context():
+            return self._step(state, inputs, targets)
+
+    def eval_loss(self, state: TrainState, inputs: Array, targets: Array) -> Array:
+        """The LM cross-entropy of one batch (f32 [])."""
+        with self.context():
+            return self._eval(state, inputs, targets)
