@@ -26,7 +26,6 @@ import numbers
 import os
 import pathlib
 import sys
-import tempfile
 import time
 import types
 import typing
@@ -86,7 +85,8 @@ def _parse_lines(text: str, path: pathlib.Path) -> list[Record]:
             record = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{str(path)!r} line {number} is not valid JSON: {e}") from e
-        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+        step = record.get("step") if isinstance(record, dict) else None
+        if not isinstance(step, int) or isinstance(step, bool):
             raise ValueError(f"{str(path)!r} line {number} is not a record with an int step")
         records.append(record)
     return records
@@ -105,16 +105,17 @@ def read_metrics(path: str | os.PathLike[str]) -> list[Record]:
 
 def _atomic_write(path: pathlib.Path, text: str) -> None:
     """Writes `text` to `path` through a temporary file in the same folder and a rename, so the
-    file is either the old or the new one, never a mix."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    file is either the old or the new one, never a mix. (Not `tempfile.mkstemp`: its 0600 mode
+    would stay on the renamed file; "x" mode gets the usual permissions and a fresh file.)"""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{time.time_ns()}.tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with tmp.open("x", encoding="utf-8") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        pathlib.Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
 
 

@@ -138,6 +138,10 @@ def test_resume_truncates_later_records(tmp_path):
     records = M.read_metrics(tmp_path / M.METRICS_FILE)
     assert [r["step"] for r in records] == [1, 2, 3, 4] and records[-1]["loss"] == 9.0
     assert not list(tmp_path.glob(".metrics.jsonl.*"))  # no temporary file left behind
+    # The rewritten file has the permissions of any new file (not a temporary file's 0600).
+    (tmp_path / "plain.txt").write_text("")
+    mode = (tmp_path / M.METRICS_FILE).stat().st_mode
+    assert mode == (tmp_path / "plain.txt").stat().st_mode
     # The resumed writer marks a purge from step 4 on, so TensorBoard hides the old 4 and 5.
     events = read_events(tmp_path / M.TENSORBOARD_DIR)
     starts = [e.step for e in events if e.HasField("session_log")]
