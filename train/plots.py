@@ -33,6 +33,8 @@ from train.metrics import Record, read_metrics
 _PANEL_HEIGHT = 2.4  # inches
 _WIDTH = 10.0  # inches
 _DPI = 100
+# The most heatmap columns; longer runs average groups of consecutive steps.
+_MAX_COLUMNS = 1000
 
 
 def _float(value: object) -> float:
@@ -40,9 +42,12 @@ def _float(value: object) -> float:
     return math.nan if value is None else float(value)
 
 
-def _last_per_step(records: list[Record]) -> list[Record]:
-    """One record per step, the last one written, sorted by step (a resumed run may repeat)."""
-    by_step = {r["step"]: r for r in records}
+def _merge_steps(records: list[Record]) -> list[Record]:
+    """One record per step, sorted by step; records of the same step are merged, later values
+    winning (an evaluation logged as its own record joins its step's training record)."""
+    by_step: dict[int, Record] = {}
+    for r in records:
+        by_step.setdefault(r["step"], {}).update(r)
     return [by_step[s] for s in sorted(by_step)]
 
 
@@ -52,6 +57,25 @@ def _edges(steps: np.ndarray) -> np.ndarray:
         return np.array([steps[0] - 0.5, steps[0] + 0.5])
     mid = (steps[1:] + steps[:-1]) / 2
     return np.concatenate([[2 * steps[0] - mid[0]], mid, [2 * steps[-1] - mid[-1]]])
+
+
+def _bin_columns(
+    edges: np.ndarray, values: np.ndarray, max_columns: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """At most `max_columns` columns: groups of g = ceil(S / max_columns) consecutive steps,
+    each the mean of its finite values (NaN if none). edges [S + 1], values [..., S]."""
+    num_steps = values.shape[-1]
+    group = -(-num_steps // max_columns)
+    if group == 1:
+        return edges, values
+    pad = -num_steps % group
+    padded = np.concatenate([values, np.full((*values.shape[:-1], pad), np.nan)], axis=-1)
+    padded = padded.reshape(*values.shape[:-1], -1, group)
+    finite = np.isfinite(padded)
+    count = finite.sum(axis=-1)
+    total = np.where(finite, padded, 0.0).sum(axis=-1)
+    mean = np.where(count > 0, total / np.maximum(count, 1), np.nan)
+    return np.append(edges[:-1:group], edges[-1]), mean
 
 
 def _expert_load(records: list[Record]) -> np.ndarray | None:
@@ -143,7 +167,7 @@ def plot_run(
         raise ValueError(f"metrics file {str(metrics_path)!r} does not exist") from e
     if not records:
         raise ValueError(f"metrics file {str(metrics_path)!r} has no records")
-    records = _last_per_step(records)
+    records = _merge_steps(records)
     steps = np.array([r["step"] for r in records], dtype=np.float64)
     loss = np.array([_float(r.get("loss")) for r in records])
     evals = [r for r in records if r.get("eval_loss") is not None]
@@ -197,12 +221,13 @@ def plot_run(
         assert load_les is not None
         shown = np.ma.masked_invalid(load_les[layers])
         vmax = float(shown.max()) if shown.count() else 1.0
-        edges_x = _edges(steps)
+        # Long runs: at most _MAX_COLUMNS columns (the PNG is 1000 pixels wide anyway).
+        edges_x, binned_les = _bin_columns(_edges(steps), load_les, _MAX_COLUMNS)
         edges_y = np.arange(load_les.shape[1] + 1) - 0.5
         mesh = None
         for l, ax in zip(layers, axes[panel:], strict=True):
             mesh = ax.pcolormesh(
-                edges_x, edges_y, np.ma.masked_invalid(load_les[l]), vmin=0.0, vmax=vmax
+                edges_x, edges_y, np.ma.masked_invalid(binned_les[l]), vmin=0.0, vmax=vmax
             )
             ax.set_ylabel(f"layer {l}\nexpert")
         fig.colorbar(mesh, ax=axes[panel:], label="share of routed rows", shrink=0.9)

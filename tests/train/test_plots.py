@@ -120,3 +120,28 @@ def test_missing_or_empty_metrics(tmp_path):
     with pytest.raises(ValueError, match=r"empty.jsonl' has no records"):
         P.plot_run(tmp_path / "empty.jsonl", tmp_path / "run.png")
     assert not (tmp_path / "run.png").exists()
+
+
+def test_long_runs_bin_heatmap_columns(tmp_path):
+    edges = np.arange(6) + 0.5  # steps 1..5
+    values = np.array([[1.0, 2.0, np.nan, 4.0, np.nan], [np.nan, np.nan, np.nan, 1.0, 3.0]])
+    binned_edges, binned = P._bin_columns(edges, values, 2)  # groups of 3: steps 1-3, 4-5
+    np.testing.assert_array_equal(binned_edges, [0.5, 3.5, 5.5])
+    np.testing.assert_array_equal(binned, [[1.5, 4.0], [np.nan, 2.0]])
+    same_edges, same = P._bin_columns(edges, values, 5)
+    assert same_edges is edges and same is values
+    metrics = write_run(tmp_path, steps=range(1, 2 * P._MAX_COLUMNS + 2), layers=1)
+    assert png_size(P.plot_run(metrics, tmp_path / "run.png")) == expected_size(3)
+
+
+def test_records_of_one_step_merge(tmp_path):
+    lines = [
+        {"step": 1, "loss": 4.0},
+        {"step": 2, "loss": 3.0},
+        {"step": 2, "loss": 3.0, "eval_loss": 3.5},
+    ]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    merged = P._merge_steps(P.read_metrics(path))
+    assert merged == [{"step": 1, "loss": 4.0}, {"step": 2, "loss": 3.0, "eval_loss": 3.5}]
+    assert "eval loss 3.5000 (step 2)" in P._caption(merged)
