@@ -251,6 +251,7 @@ class Candidate:
     build: Callable[[], Runner]
     extra: bool = False  # not a target row: skipped first when time runs short
     config: str = ""
+    config_source: str = ""  # where `config` came from (ours: defaults table or a sweep)
 
 
 def _as_tuple(out) -> tuple[jax.Array, ...]:
@@ -428,15 +429,33 @@ class Bench:
         except Exception as e:  # any import failure means "not available"
             raise NotAvailable(f"import pallas_kernels.grouped_matmul.{module}: {e!r}") from e
 
-    def _ours_config(self, shape_class: str) -> str:
+    def _ours_config(self, product: str, *, use_sweep: bool = True) -> tuple[Any, str, str]:
+        """(config to pass, its description, where it came from) of our kernel for `product`:
+        the best passing config of a --configs sweep for this (product, shape), else None (the
+        kernel's defaults table)."""
+        shape = self.p.shape
+        picked = self.args.sweep_configs.get((product, shape.name)) if use_sweep else None
+        if picked is not None:
+            source = (
+                f"sweep {self.args.configs}: best passing run '{picked['label']}' "
+                f"({picked['median_ms']:.3f} ms there)"
+            )
+            return picked["config"], repr(picked["config"]), source
         try:
-            if shape_class == "tgmm":
-                wgrad = self._ours("mosaic_gpu_wgrad")
-                return repr(wgrad.default_config(self.p.shape.k, self.p.shape.n))
-            tuning = self._ours("tuning")
-            return repr(tuning.default_config(shape_class))
+            if product == "wgrad":
+                config = self._ours("mosaic_gpu_wgrad").default_config(shape.k, shape.n)
+            else:
+                mod = self._ours("mosaic_gpu")
+                n = {"forward": shape.n, "dgrad": shape.k, "swiglu": shape.n // 2}[product]
+                config = mod.default_config(
+                    n=n,
+                    transpose_rhs=product == "dgrad",
+                    swiglu=product == "swiglu",
+                    interpret=self.interpret,
+                )
+            return None, repr(config), "defaults table (config=None)"
         except Exception as e:  # the record says what it could not tell
-            return f"default (config=None); could not describe it: {e!r}"[:300]
+            return None, f"could not describe it: {e!r}"[:300], "defaults table (config=None)"
 
     def ours_candidates(self, product: str) -> list[Candidate]:
         p, interp = self.p, {"interpret": True} if self.interpret else {}
@@ -449,13 +468,17 @@ class Bench:
 
             return build
 
+        if product in ("forward", "dgrad", "wgrad", "swiglu"):
+            config, described, source = self._ours_config(product)
+            picked = {"config": config} if config is not None else {}
         if product == "forward":
             cands = [
                 Candidate(
                     "ours mosaic_gpu.gmm",
                     "ours",
-                    gmm_build(p.x, p.w),
-                    config=self._ours_config("gmm"),
+                    gmm_build(p.x, p.w, **picked),
+                    config=described,
+                    config_source=source,
                 ),
             ]
 
@@ -471,29 +494,38 @@ class Bench:
                 Candidate(
                     "ours mosaic_gpu.gmm(transpose_rhs)",
                     "ours",
-                    gmm_build(p.dout, p.w, transpose_rhs=True),
-                    config=self._ours_config("gmm_transposed"),
+                    gmm_build(p.dout, p.w, transpose_rhs=True, **picked),
+                    config=described,
+                    config_source=source,
                 ),
             ]
         if product == "wgrad":
 
-            def tgmm_build(out_dtype):
+            def tgmm_build(out_dtype, **kw):
                 def build():
                     mod = self._ours("mosaic_gpu_wgrad")
-                    fn = functools.partial(mod.tgmm, out_dtype=out_dtype, **interp)
+                    fn = functools.partial(mod.tgmm, out_dtype=out_dtype, **kw, **interp)
                     return jax_runner(fn, p.x, p.dout, p.gs)
 
                 return build
 
-            config = self._ours_config("tgmm")
+            _, default_described, _ = self._ours_config("wgrad", use_sweep=False)
             return [
-                Candidate("ours tgmm (bf16 out)", "ours", tgmm_build(jnp.bfloat16), config=config),
+                Candidate(
+                    "ours tgmm (bf16 out)",
+                    "ours",
+                    tgmm_build(jnp.bfloat16, **picked),
+                    config=described,
+                    config_source=source,
+                ),
                 Candidate(
                     "ours tgmm (f32 out)",
                     "ours",
                     tgmm_build(jnp.float32),
                     extra=True,
-                    config=config,
+                    config=default_described,
+                    config_source="defaults table (config=None; a sweep's bf16-out config is "
+                    "not applied to the f32 output)",
                 ),
             ]
         if product == "backward":
@@ -505,12 +537,19 @@ class Bench:
                 fn = functools.partial(ops.gmm, **_kwargs_accepted(ops.gmm, **interp))
                 return self._vjp_runner(lambda a, b: fn(a, b, p.gs))
 
-            return [Candidate("ours ops.gmm backward (custom_vjp)", "ours", ops_build)]
+            return [
+                Candidate(
+                    "ours ops.gmm backward (custom_vjp)",
+                    "ours",
+                    ops_build,
+                    config_source="defaults table (ops.gmm takes no config)",
+                )
+            ]
         if product == "swiglu":
 
             def swiglu_build():
                 mod = self._ours("mosaic_gpu")
-                fn = functools.partial(mod.gmm_swiglu, **interp)
+                fn = functools.partial(mod.gmm_swiglu, **picked, **interp)
                 return jax_runner(fn, p.x, p.w_gate, p.w_up, p.gs)
 
             return [
@@ -518,7 +557,8 @@ class Bench:
                     "ours mosaic_gpu.gmm_swiglu",
                     "ours",
                     swiglu_build,
-                    config=self._ours_config("gmm_swiglu"),
+                    config=described,
+                    config_source=source,
                 )
             ]
         raise ValueError(product)
@@ -931,6 +971,8 @@ def run_candidate(
     rec: dict[str, Any] = {"name": cand.name, "family": cand.family, "extra": cand.extra}
     if cand.config:
         rec["config"] = cand.config
+    if cand.config_source:
+        rec["config_source"] = cand.config_source
     if not clock.allows(cand):
         rec["status"] = f"skipped: time budget ({clock.elapsed():.0f} s of {clock.budget_s:.0f})"
         return rec, ()
@@ -1245,6 +1287,14 @@ def render_markdown(results: dict) -> str:
         f"triton {env['triton']}; git {env['git_commit']}",
         f"- method: {results['method']}",
     ]
+    if results.get("our_configs"):
+        ours = results["our_configs"]
+        lines.append(
+            f"- our kernels' tile configs: {ours['source']}"
+            + "".join(
+                f"; {pair}: {best['label']}" for pair, best in ours.get("from_sweep", {}).items()
+            )
+        )
     if results.get("ceilings"):
         c = results["ceilings"]
         lines.append(
@@ -1396,6 +1446,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="products timed for XLA ragged_dot (its dgrad/wgrad alone cost ~1 min a shape)",
     )
     ap.add_argument(
+        "--configs",
+        type=pathlib.Path,
+        default=None,
+        help="a bench.gmm_sweep sweep.json: time our kernels with its best passing config per "
+        "(product, shape) instead of the defaults table",
+    )
+    ap.add_argument(
         "--time-failed",
         action="store_true",
         help="also time candidates that fail their check (marked FAILED CHECK)",
@@ -1422,6 +1479,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.sample_s = (0.0 if args.smoke else 0.005) if args.sample_s is None else args.sample_s
     if args.repeats < 1 or args.timed < 1 or args.warmup < 0:
         ap.error(f"{args.repeats=} and {args.timed=} must be >= 1, {args.warmup=} >= 0")
+    args.sweep_configs = {}
+    if args.configs is not None:
+        from bench import gmm_sweep  # here: gmm_sweep imports this module
+
+        try:
+            args.sweep_configs = gmm_sweep.best_configs(json.loads(args.configs.read_text()))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            ap.error(f"--configs {args.configs}: cannot read a sweep's best configs: {e!r}")
     return args
 
 
@@ -1448,7 +1513,18 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "args": {
             k: (str(v) if isinstance(v, pathlib.Path) else v)
             for k, v in vars(args).items()
-            if k != "shape_list"
+            if k not in ("shape_list", "sweep_configs")
+        },
+        "our_configs": {
+            "source": f"sweep {args.configs}" if args.configs else "defaults table",
+            "from_sweep": {
+                f"{product} {shape}": {
+                    "label": best["label"],
+                    "config": repr(best["config"]),
+                    "median_ms_in_sweep": best["median_ms"],
+                }
+                for (product, shape), best in args.sweep_configs.items()
+            },
         },
         "shapes": [],
     }

@@ -367,6 +367,36 @@ def _default_config(
     return config
 
 
+def default_config(
+    *,
+    n: int,
+    dtype=jnp.bfloat16,
+    transpose_rhs: bool = False,
+    out_dtype=None,
+    swiglu: bool = False,
+    interpret: bool = False,
+) -> TileConfig:
+    """The tiles `gmm` (or `gmm_swiglu` if `swiglu`) runs with config=None: the table's, for an
+    output of N columns (F for gmm_swiglu), `dtype` inputs and `out_dtype` outputs (None: the
+    input dtype), narrowed as the kernel needs (see `_default_config`)."""
+    itemsize = jnp.dtype(dtype).itemsize
+    out_itemsize = jnp.dtype(dtype if out_dtype is None else out_dtype).itemsize
+    if swiglu:
+        shape_class: tuning.ShapeClass = "gmm_swiglu"
+    else:
+        shape_class = tuning.gmm_shape_class(
+            transpose_rhs=transpose_rhs, out_dtype=dtype if out_dtype is None else out_dtype
+        )
+    return _default_config(
+        shape_class,
+        n=n,
+        itemsize=itemsize,
+        out_itemsize=out_itemsize,
+        num_rhs=2 if swiglu else 1,
+        interpret=interpret,
+    )
+
+
 def _check_config(config: TileConfig, *, k: int, n: int, itemsize: int, out_itemsize: int, nr):
     if k % config.block_k:
         raise ValueError(f"K={k} must be a multiple of block_k={config.block_k}")
@@ -548,4 +578,11 @@ def gmm_swiglu(
     )
 
 
-__all__ = ["INPUT_DTYPES", "gmm", "gmm_swiglu", "group_bounds", "tile_schedule"]
+__all__ = [
+    "INPUT_DTYPES",
+    "default_config",
+    "gmm",
+    "gmm_swiglu",
+    "group_bounds",
+    "tile_schedule",
+]
