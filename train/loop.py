@@ -31,7 +31,7 @@ from train.metrics import RunLogger
 from train.model import model_flops_per_token, peak_flops
 from train.plots import plot_run
 from train.sample import format_samples, generate, host_params
-from train.step import Trainer, TrainState, make_train_mesh
+from train.step import TrainState, get_trainer, make_train_mesh
 
 PLOT_FILE = "metrics.png"
 SAMPLES_FILE = "samples.txt"
@@ -137,7 +137,7 @@ class _Run:
 
     def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, mesh):
         self.cfg = train_cfg
-        self.trainer = Trainer(model_cfg, train_cfg, mesh)
+        self.trainer = get_trainer(model_cfg, train_cfg, mesh)
         self.pid, self.nproc = jax.process_index(), jax.process_count()
         data = data_lib.load_bytes(train_cfg.data)
         self.train_data, self.eval_data = data_lib.split(

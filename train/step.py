@@ -277,3 +277,33 @@ class Trainer:
         """The LM cross-entropy of one batch (f32 [])."""
         with self.context():
             return self._eval(state, inputs, targets)
+
+
+# TrainConfig fields that do not change what the compiled programs compute.
+_RUN_ONLY_FIELDS = (
+    "steps",
+    "eval_every",
+    "eval_batches",
+    "eval_fraction",
+    "save_every",
+    "data",
+    "workdir",
+)
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_trainer(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh | None) -> Trainer:
+    return Trainer(model_cfg, train_cfg, mesh)
+
+
+def get_trainer(model_cfg: ModelConfig, train_cfg: TrainConfig, mesh: Mesh | None) -> Trainer:
+    """A `Trainer`, shared with earlier calls whose configs differ only in run-only fields
+    (steps, evaluation and save intervals, data, workdir): a run resumed in the same process
+    reuses the compiled steps. The returned trainer's `train_cfg` has those fields reset."""
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    key = dataclasses.replace(
+        train_cfg,
+        steps=train_cfg.schedule_steps,
+        **{name: defaults[name] for name in _RUN_ONLY_FIELDS if name != "steps"},
+    )
+    return _cached_trainer(model_cfg, key, mesh)
