@@ -156,21 +156,23 @@ def candidates(product: str, shape: gg.Shape, *, smoke: bool = False) -> list[Tr
                 )
     elif product == "wgrad":
         add(
+            "t128x128_s4",
+            "output tile 128x128, 4 stages: the default before 128x256 x 3 stages (which beat it "
+            "at all five shapes in the 2026-11-30 probe, with the rows repacked)",
+            block_n=128,
+            max_concurrent_steps=4,
+        )
+        add(
             "t128x256_s4",
-            "output tile 128x256 (measured better than 128x128 at all five shapes with the "
-            "repack, as 3 stages), 4 stages: 224 KiB with bf16 out",
+            "output tile 128x256 with a 4th stage (224 KiB with a bf16 epilogue; f32 out would "
+            "not fit, hence not the default)",
             block_n=256,
             max_concurrent_steps=4,
         )
         add(
-            "t128x256_s3",
-            "output tile 128x256, 3 stages (the best of the 2026-11-30 tgmm probe)",
-            block_n=256,
-            max_concurrent_steps=3,
-        )
-        add(
             "t128x256_r128_s2",
-            "128 rows a step (block_k=128), 2 stages: half the steps of a ~1024-row group",
+            "128 rows a step (block_k=128), 2 stages: half the steps of a ~1024-row group, the "
+            "same bytes in flight",
             block_n=256,
             block_k=128,
             max_concurrent_steps=2,
@@ -178,6 +180,7 @@ def candidates(product: str, shape: gg.Shape, *, smoke: bool = False) -> list[Tr
         add(
             "t128x128_r128_s3",
             "tile 128x128, 128 rows a step, 3 stages",
+            block_n=128,
             block_k=128,
             max_concurrent_steps=3,
         )

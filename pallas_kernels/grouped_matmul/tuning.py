@@ -177,8 +177,13 @@ DEFAULT_CONFIGS: dict[tuple[ShapeClass, str], TileConfig] = {
         block_n=128, epi_block_n=64, grid_minor_dim="m", grid_tile_width=16
     ),
     # tgmm (the weight gradient, in mosaic_gpu_wgrad.py): block_m tiles K, block_n tiles N and
-    # block_k steps over a group's rows.
-    ("tgmm", "NVIDIA H200"): TileConfig(block_m=128, block_n=128, block_k=64),
+    # block_k steps over a group's rows. Output tiles 128x256 with 3 stages beat 128x128 with 4
+    # at all five DESIGN.md shapes, random and 8-aligned group sizes (e.g. 1.73 vs 1.95 ms at
+    # qwen3 gate_up, 0.95 vs 1.16 at qwen3 down, aligned, f32 out; H200, 2026-11-30,
+    # bench/results/2026-11-30_tgmm_tuning_h200.json); 3 stages leave room for an f32 epilogue.
+    ("tgmm", "NVIDIA H200"): TileConfig(
+        block_m=128, block_n=256, block_k=64, max_concurrent_steps=3, delay_release=0
+    ),
 }
 
 
