@@ -135,11 +135,10 @@ def _run_config(model_cfg: ModelConfig, train_cfg: TrainConfig) -> ModelConfig:
 class _Run:
     """The mutable parts of one call of `train`."""
 
-    def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, mesh):
+    def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, mesh, data: np.ndarray):
         self.cfg = train_cfg
         self.trainer = get_trainer(model_cfg, train_cfg, mesh)
         self.pid, self.nproc = jax.process_index(), jax.process_count()
-        data = data_lib.load_bytes(train_cfg.data)
         self.train_data, self.eval_data = data_lib.split(
             data, train_cfg.eval_fraction, seq_len=train_cfg.seq_len
         )
@@ -242,9 +241,10 @@ def train(
     started = time.perf_counter()
     workdir = pathlib.Path(train_cfg.workdir)
     say = log if jax.process_index() == 0 else (lambda _: None)
+    data = data_lib.load_bytes(train_cfg.data)  # first: a bad path fails before any work
     _prepare_workdir(workdir, resume=resume, overwrite=overwrite)
     mesh = make_train_mesh(train_cfg)
-    run = _Run(model_cfg, train_cfg, mesh)
+    run = _Run(model_cfg, train_cfg, mesh, data)
     trainer = run.trainer
     checkpoints = Checkpoints(workdir)
     latest = checkpoints.latest_step() if resume else None
@@ -375,7 +375,7 @@ def check_determinism(model_cfg: ModelConfig, train_cfg: TrainConfig) -> Determi
     """Runs `train_cfg.steps` steps twice, each from a fresh state (no checkpoints, no logs),
     and compares the losses and the final parameters bit for bit."""
     mesh = make_train_mesh(train_cfg)
-    run = _Run(model_cfg, train_cfg, mesh)
+    run = _Run(model_cfg, train_cfg, mesh, data_lib.load_bytes(train_cfg.data))
     results = []
     for _ in range(2):
         state = run.trainer.init_state()
