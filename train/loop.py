@@ -345,15 +345,16 @@ def _finish(run: _Run, state: TrainState, workdir: pathlib.Path, say, *, sample:
 
 
 def _prompts(eval_data: np.ndarray) -> list[bytes]:
-    """A few prompts from the held-out text: the start of the first lines after evenly spaced
-    points (one line, at most 40 bytes each)."""
-    raw = bytes(eval_data)
-    prompts = []
+    """A few distinct prompts from the held-out text: at evenly spaced lines, the first line
+    that is neither blank nor already taken (its first 40 bytes)."""
+    lines = [line[:40] for line in bytes(eval_data).split(b"\n")]
+    prompts: list[bytes] = []
     for i in range(SAMPLE_PROMPTS):
-        at = raw.find(b"\n", i * len(raw) // SAMPLE_PROMPTS)
-        line = raw[at + 1 :].split(b"\n", 1)[0][:40] if at >= 0 else raw[:40]
-        prompts.append(line if line.strip() else raw[:16])
-    return prompts
+        for line in lines[i * len(lines) // SAMPLE_PROMPTS :]:
+            if line.strip() and line not in prompts:
+                prompts.append(line)
+                break
+    return prompts or [bytes(eval_data[:16])]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
