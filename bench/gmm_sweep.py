@@ -331,10 +331,16 @@ class Sweep:
         self.save()
         return self.results
 
-    def _prepare(self, pair: Pair) -> gg.Problem:
-        p = self.problem(pair.shape)
-        if pair.subsets is None:
-            pair.subsets = gg.subset_reference(p, pair.product, cap=self.args.subset_rows)
+    def _prepare(self, pair: Pair, rec: dict) -> gg.Problem | None:
+        """The pair's inputs and reference subsets; None (with the reason in `rec`) if they
+        cannot be made: the sweep goes on with the other pairs."""
+        try:
+            p = self.problem(pair.shape)
+            if pair.subsets is None:
+                pair.subsets = gg.subset_reference(p, pair.product, cap=self.args.subset_rows)
+        except Exception as e:  # e.g. out of memory: recorded, not fatal
+            rec["status"] = f"error preparing the pair: {type(e).__name__}: {e}"[:1500]
+            return None
         return p
 
     def _full(self, pair: Pair, p: gg.Problem) -> tuple | None:
@@ -353,7 +359,12 @@ class Sweep:
             pair.record["torch"] = {"status": self._skipped()}
             self.save()
             return
-        p = self._prepare(pair)
+        failure: dict[str, Any] = {}
+        p = self._prepare(pair, failure)
+        if p is None:
+            pair.record["torch"] = failure
+            self.save()
+            return
         (cand,) = gg.Bench(self.args, p).torch_candidates(pair.product)
         rec, outs = gg.run_candidate(
             cand,
@@ -388,7 +399,10 @@ class Sweep:
             rec["status"] = f"not run: {refused}"
             self.save()
             return
-        p = self._prepare(pair)
+        p = self._prepare(pair, rec)
+        if p is None:
+            self.save()
+            return
         full = self._full(pair, p)
 
         def build():

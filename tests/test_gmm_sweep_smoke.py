@@ -180,3 +180,21 @@ def test_grouped_gemm_h200_takes_the_sweeps_best_config(tmp_path, monkeypatch):
     assert dgrad.config_source == "defaults table (config=None)"
     with pytest.raises(SystemExit):
         gg.parse_args(["--smoke", "--configs", str(tmp_path / "missing.json")])
+
+
+def test_a_pair_that_cannot_be_prepared_is_recorded_and_the_sweep_goes_on(tmp_path, monkeypatch):
+    monkeypatch.setitem(sweep.KERNELS, "forward", _fake_forward)
+    real_subsets = gg.subset_reference
+
+    def subsets(p, product, *, cap):
+        if product == "dgrad":
+            raise MemoryError("no room for dgrad's reference")
+        return real_subsets(p, product, cap=cap)
+
+    monkeypatch.setattr(gg, "subset_reference", subsets)
+    args = ["--smoke", "--products", "dgrad,forward", "--max-candidates", "0"]
+    results = sweep.main([*args, "--out", str(tmp_path)])
+    dgrad, forward = results["pairs"]
+    assert dgrad["torch"]["status"].startswith("error preparing the pair: MemoryError")
+    assert dgrad["runs"][0]["status"].startswith("error preparing the pair: MemoryError")
+    assert forward["runs"][0]["ok"] and forward["best"]["label"] == "default"
