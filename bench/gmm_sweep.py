@@ -48,6 +48,7 @@ PRODUCTS = ("forward", "wgrad", "dgrad", "swiglu")  # pass order within a pass
 SHAPES = tuple(s for s in gg.SHAPES if s.routing == "uniform")  # DESIGN.md's five
 SMOKE_SHAPES = tuple(s for s in gg.SMOKE_SHAPES if s.routing == "uniform")
 DEFAULT_LABEL = "default"
+DEVICE_COMMAND = "PYTHONPATH=. python3 -m bench.gmm_sweep --out $OUT --budget-s S"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,7 +298,8 @@ class Sweep:
             "environment": gg.environment(torch_mod, args),
             "method": (
                 "bench/grouped_gemm_h200.run_candidate for every run: checked against torch "
-                "(all elements; XLA ragged_dot / reference.tgmm when torch is absent) and "
+                "(all elements; without torch: XLA ragged_dot / reference.tgmm on a CPU, none "
+                "on a GPU) and "
                 "reference.py f32 on the first/middle/last/largest groups, |err| <= 2^-6 "
                 f"(|ref| + rms ref); {args.repeats} runs compared bitwise; {args.warmup} "
                 f"warm-up + 1 calibration call, then the median of {args.timed} samples of >= "
@@ -610,8 +612,6 @@ def render_markdown(results: dict) -> str:
 
 # ---------------------------------------------------------------------------------------------
 # Command line
-
-DEVICE_COMMAND = "PYTHONPATH=. python3 -m bench.gmm_sweep --out $OUT --budget-s S"
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
