@@ -201,6 +201,15 @@ class _Run:
         }
 
 
+def _mesh(train_cfg: TrainConfig):
+    """The run's mesh; None (one device, no mesh) for a one-device run of an implementation
+    that runs only without a mesh ("reference", or "pallas" on one GPU)."""
+    mesh = make_train_mesh(train_cfg)
+    if mesh.size == 1 and train_cfg.implementation != "xla" and jax.process_count() == 1:
+        return None
+    return mesh
+
+
 StateHook = Callable[[int, TrainState], TrainState]
 
 
@@ -243,7 +252,7 @@ def train(
     say = log if jax.process_index() == 0 else (lambda _: None)
     data = data_lib.load_bytes(train_cfg.data)  # first: a bad path fails before any work
     _prepare_workdir(workdir, resume=resume, overwrite=overwrite)
-    mesh = make_train_mesh(train_cfg)
+    mesh = _mesh(train_cfg)
     run = _Run(model_cfg, train_cfg, mesh, data)
     trainer = run.trainer
     checkpoints = Checkpoints(workdir)
@@ -258,7 +267,8 @@ def train(
     if run.pid == 0:
         write_config(workdir, trainer.model_cfg, {"train": dataclasses.asdict(train_cfg)})
     say(
-        f"mesh {dict(mesh.shape)} on {mesh.size} {jax.devices()[0].platform} devices "
+        f"{'no mesh' if mesh is None else f'mesh {dict(mesh.shape)}'} on "
+        f"{1 if mesh is None else mesh.size} {jax.devices()[0].platform} device(s) "
         f"({run.nproc} process{'es' if run.nproc > 1 else ''}); steps {start} -> "
         f"{train_cfg.steps}; batch {train_cfg.batch_size} x {train_cfg.seq_len} tokens; "
         f"data {train_cfg.data!r} ({run.train_data.size:,} train / {run.eval_data.size:,} eval "
@@ -375,7 +385,7 @@ class DeterminismReport:
 def check_determinism(model_cfg: ModelConfig, train_cfg: TrainConfig) -> DeterminismReport:
     """Runs `train_cfg.steps` steps twice, each from a fresh state (no checkpoints, no logs),
     and compares the losses and the final parameters bit for bit."""
-    mesh = make_train_mesh(train_cfg)
+    mesh = _mesh(train_cfg)
     run = _Run(model_cfg, train_cfg, mesh, data_lib.load_bytes(train_cfg.data))
     results = []
     for _ in range(2):

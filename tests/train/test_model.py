@@ -172,3 +172,15 @@ def test_presets_fit_their_meshes():
     tiny = PRESETS["tiny"]
     assert tiny.model.moe.num_experts % 8 == 0 and tiny.train.batch_size % 8 == 0
     assert isinstance(PRESETS["gpu"].model.moe, MoEConfig)
+
+
+@pytest.mark.parametrize("name", ["small", "gpu"], ids=lambda name: f"preset_{name}")
+def test_larger_presets_trace(name):
+    """The larger presets build and run forward abstractly (shapes and dtypes, no compute)."""
+    cfg = PRESETS[name].model
+    model = nnx.eval_shape(lambda: LanguageModel(cfg, rngs=nnx.Rngs(0)))
+    logits, auxes = nnx.eval_shape(
+        lambda m, t: m(t), model, jax.ShapeDtypeStruct((2, 64), jnp.int32)
+    )
+    assert logits.shape == (2, 64, 256) and logits.dtype == jnp.float32
+    assert len(auxes) == cfg.num_moe_layers
