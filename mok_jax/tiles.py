@@ -51,6 +51,24 @@ def _dot(a: Array, b: Array, dtype: np.dtype) -> Array:
     )
 
 
+def _token_chunks(num_tokens: int, row_tile: int) -> tuple[int, int]:
+    """(chunk, padded): C = TILES_PER_STEP * row_tile tokens a chunk, T padded to whole chunks.
+    At least two loop steps: XLA inlines a one-step loop, and the inlined body may be fused
+    (FMA-contracted) differently from the loop body, which changes last bits."""
+    chunk = TILES_PER_STEP * row_tile
+    return chunk, max(_round_up(num_tokens, chunk), MIN_STEPS * chunk)
+
+
+def _to_chunks(a: Array, chunk: int, padded: int) -> Array:
+    """[T, ...] -> [padded / C, C, ...], zero-padded."""
+    a = jnp.pad(a, ((0, padded - a.shape[0]),) + ((0, 0),) * (a.ndim - 1))
+    return a.reshape(padded // chunk, chunk, *a.shape[1:])
+
+
+def _from_chunks(a: Array, num_tokens: int) -> Array:
+    return a.reshape(-1, *a.shape[2:])[:num_tokens]
+
+
 def token_tiled(fn, xs, row_tile: int):
     """Applies the token-wise `fn` to chunks of C = TILES_PER_STEP * row_tile tokens
     (zero-padded), so that every operation inside `fn`, its reductions over a token's values
@@ -60,29 +78,59 @@ def token_tiled(fn, xs, row_tile: int):
     [C, ...] arrays. Returns that pytree with [T, ...] arrays.
     """
     num_tokens = jax.tree.leaves(xs)[0].shape[0]
-    chunk = TILES_PER_STEP * row_tile
-    # At least two loop steps: XLA inlines a one-step loop, and the inlined body may be fused
-    # (FMA-contracted) differently from the loop body, which changes last bits.
-    padded = max(_round_up(num_tokens, chunk), MIN_STEPS * chunk)
-
-    def chunks(a):
-        a = jnp.pad(a, ((0, padded - num_tokens),) + ((0, 0),) * (a.ndim - 1))
-        return a.reshape(padded // chunk, chunk, *a.shape[1:])
-
-    out = lax.map(fn, jax.tree.map(chunks, xs))
-    return jax.tree.map(lambda a: a.reshape(padded, *a.shape[2:])[:num_tokens], out)
+    chunk, padded = _token_chunks(num_tokens, row_tile)
+    out = lax.map(fn, jax.tree.map(lambda a: _to_chunks(a, chunk, padded), xs))
+    return jax.tree.map(lambda a: _from_chunks(a, num_tokens), out)
 
 
 def token_swiglu(
     x_td: Array, w_gate_df: Array, w_up_df: Array, w_down_fd: Array, dtype: np.dtype, row_tile: int
 ) -> Array:
-    """The shared experts' SwiGLU on every token, in fixed-shape chunks: -> f32 [T, D]."""
+    """The shared experts' SwiGLU on every token, in fixed-shape chunks: -> f32 [T, D].
+
+    Invariant 2 holds here too: the weight gradients add up chunk by chunk in f32 (a plain
+    autodiff of the chunk loop would round each chunk's part to the compute dtype first, and
+    the sum would then depend on how many tokens a device holds)."""
+    # Inside shard_map the weights meet every device's tokens: let them vary like x, so their
+    # gradients come back summed (in their own dtype) over the devices.
+    weights = tuple(vary(w, varying_axes(x_td)) for w in (w_gate_df, w_up_df, w_down_fd))
+    return _token_swiglu(x_td, *weights, dtype, row_tile)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _token_swiglu(x_td, w_gate_df, w_up_df, w_down_fd, dtype, row_tile):
+    weights = tuple(w[None] for w in (w_gate_df, w_up_df, w_down_fd))
 
     def chunk_fn(x_cd):
-        h_cf = swiglu(_dot(x_cd, w_gate_df, dtype), _dot(x_cd, w_up_df, dtype))
-        return _dot(h_cf, w_down_fd, dtype)
+        return _step_forward(x_cd[None], *weights, dtype)[3][0]
 
     return token_tiled(chunk_fn, x_td, row_tile)
+
+
+def _token_swiglu_fwd(x_td, w_gate_df, w_up_df, w_down_fd, dtype, row_tile):
+    y_td = _token_swiglu(x_td, w_gate_df, w_up_df, w_down_fd, dtype, row_tile)
+    return y_td, (x_td, w_gate_df, w_up_df, w_down_fd)
+
+
+def _token_swiglu_bwd(dtype, row_tile, residuals, dy_td):
+    x_td, *weights = residuals
+    num_tokens = x_td.shape[0]
+    chunk, padded = _token_chunks(num_tokens, row_tile)
+    weights_1 = tuple(w[None] for w in weights)
+
+    def step(accs, args):
+        x_cd, dy_cd = args
+        dx_1cd, parts = _step_backward(x_cd[None], dy_cd[None], *weights_1, dtype)
+        return tuple(acc + part[0] for acc, part in zip(accs, parts, strict=True)), dx_1cd[0]
+
+    zeros = tuple(_zeros_varying_like(w.shape, x_td, dy_td, w) for w in weights)
+    xs = (_to_chunks(x_td, chunk, padded), _to_chunks(dy_td, chunk, padded))
+    dweights, dx_scd = lax.scan(step, zeros, xs)
+    dx_td = _from_chunks(dx_scd, num_tokens).astype(x_td.dtype)
+    return (dx_td, *(dw.astype(w.dtype) for dw, w in zip(dweights, weights, strict=True)))
+
+
+_token_swiglu.defvjp(_token_swiglu_fwd, _token_swiglu_bwd)
 
 
 @functools.partial(
@@ -218,15 +266,58 @@ def _step_forward(x_btd, w_gate_bdf, w_up_bdf, w_down_bfd, dtype):
     return gate_btf, up_btf, h_btf, _bdot("btf,bfd->btd", h_btf, w_down_bfd, dtype)
 
 
+def _step_backward(x_btd, dy_btd, w_gate_bdf, w_up_bdf, w_down_bfd, dtype):
+    """One loop step's backward (the forward recomputed): -> (dx f32 [B, T, D], the weight
+    gradients of each tile, f32: ([B, D, F], [B, D, F], [B, F, D]))."""
+    gate_btf, up_btf, h_btf, _ = _step_forward(x_btd, w_gate_bdf, w_up_bdf, w_down_bfd, dtype)
+    dh_btf = _bdot("btd,bfd->btf", dy_btd, w_down_bfd, dtype)
+    sig_btf = jax.nn.sigmoid(gate_btf)
+    dgate_btf = (dh_btf * up_btf * sig_btf * (1.0 + gate_btf * (1.0 - sig_btf))).astype(dtype)
+    dup_btf = (dh_btf * gate_btf * sig_btf).astype(dtype)
+    dx_btd = _bdot("btf,bdf->btd", dgate_btf, w_gate_bdf, dtype) + _bdot(
+        "btf,bdf->btd", dup_btf, w_up_bdf, dtype
+    )
+    parts = (
+        _bdot("btd,btf->bdf", x_btd, dgate_btf, dtype),
+        _bdot("btd,btf->bdf", x_btd, dup_btf, dtype),
+        _bdot("btf,btd->bfd", h_btf, dy_btd, dtype),
+    )
+    return dx_btd, parts
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def _tiled_swiglu(x_utd, w_gate_gdf, w_up_gdf, w_down_gfd, tile_expert_u, tile_used_u, dtype):
-    def step(args):
-        x_btd, expert_b = args
-        weights = (w_gate_gdf[expert_b], w_up_gdf[expert_b], w_down_gfd[expert_b])
-        return _step_forward(x_btd, *weights, dtype)[3]
+    weights = (w_gate_gdf, w_up_gdf, w_down_gfd)
 
-    y_sbtd = lax.map(step, (_steps(x_utd), _steps(tile_expert_u)))
+    def step(carry, args):
+        x_btd, expert_b = args
+        return carry, _step_forward(x_btd, *(w[expert_b] for w in weights), dtype)[3]
+
+    xs = (_steps(x_utd), _steps(tile_expert_u))
+    _, y_sbtd = _scan_used_steps(step, (), xs, tile_used_u, weights)
     return y_sbtd.reshape(x_utd.shape[0], x_utd.shape[1], -1)
+
+
+def _scan_used_steps(step, carry, xs, tile_used_u: Array, closed_over=()):
+    """`lax.scan(step, carry, xs)` over the loop steps that hold a used tile, in order; the
+    outputs of the other steps are zeros. Used tiles come first (see `tile_layout`), so the
+    loop runs ceil(used / TILES_PER_STEP) steps: the receive buffers are sized for imbalance
+    (`buffer_factor`), and their empty tiles cost nothing."""
+    num_steps = (jnp.sum(tile_used_u, dtype=jnp.int32) + TILES_PER_STEP - 1) // TILES_PER_STEP
+    first = jax.tree.map(lambda a: a[0], xs)
+    out_types = jax.eval_shape(lambda c, x: step(c, x)[1], carry, first)
+    axes = frozenset().union(*(varying_axes(a) for a in jax.tree.leaves((xs, carry, closed_over))))
+    length = jax.tree.leaves(xs)[0].shape[0]
+    outs = jax.tree.map(lambda t: vary(jnp.zeros((length, *t.shape), t.dtype), axes), out_types)
+
+    def body(i, state):
+        carry, outs = state
+        x_i = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), xs)
+        carry, y_i = step(carry, x_i)
+        outs = jax.tree.map(lambda o, y: lax.dynamic_update_index_in_dim(o, y, i, 0), outs, y_i)
+        return carry, outs
+
+    return lax.fori_loop(0, num_steps, body, (carry, outs))
 
 
 def _tiled_swiglu_fwd(x_utd, w_gate_gdf, w_up_gdf, w_down_gfd, tile_expert_u, tile_used_u, dtype):
@@ -271,20 +362,8 @@ def _tiled_swiglu_bwd(dtype, residuals, dy_utd):
 
     def step(accs, args):
         x_btd, dy_btd, expert_b, used_b = args
-        w_gate_bdf, w_up_bdf, w_down_bfd = (w[expert_b] for w in (w_gate_gdf, w_up_gdf, w_down_gfd))
-        gate_btf, up_btf, h_btf, _ = _step_forward(x_btd, w_gate_bdf, w_up_bdf, w_down_bfd, dtype)
-        dh_btf = _bdot("btd,bfd->btf", dy_btd, w_down_bfd, dtype)
-        sig_btf = jax.nn.sigmoid(gate_btf)
-        dgate_btf = (dh_btf * up_btf * sig_btf * (1.0 + gate_btf * (1.0 - sig_btf))).astype(dtype)
-        dup_btf = (dh_btf * gate_btf * sig_btf).astype(dtype)
-        dx_btd = _bdot("btf,bdf->btd", dgate_btf, w_gate_bdf, dtype) + _bdot(
-            "btf,bdf->btd", dup_btf, w_up_bdf, dtype
-        )
-        parts = (
-            _bdot("btd,btf->bdf", x_btd, dgate_btf, dtype),
-            _bdot("btd,btf->bdf", x_btd, dup_btf, dtype),
-            _bdot("btf,btd->bfd", h_btf, dy_btd, dtype),
-        )
+        weights_b = (w[expert_b] for w in (w_gate_gdf, w_up_gdf, w_down_gfd))
+        dx_btd, parts = _step_backward(x_btd, dy_btd, *weights_b, dtype)
         accs = tuple(
             _accumulate(acc, part, expert_b, used_b) for acc, part in zip(accs, parts, strict=True)
         )
@@ -294,7 +373,8 @@ def _tiled_swiglu_bwd(dtype, residuals, dy_utd):
         _zeros_varying_like(w.shape, x_utd, dy_utd, w) for w in (w_gate_gdf, w_up_gdf, w_down_gfd)
     )
     xs = (_steps(x_utd), _steps(dy_utd), _steps(tile_expert_u), _steps(tile_used_u))
-    (dw_gate, dw_up, dw_down), dx_sbtd = lax.scan(step, zeros, xs)
+    weights = (w_gate_gdf, w_up_gdf, w_down_gfd)
+    (dw_gate, dw_up, dw_down), dx_sbtd = _scan_used_steps(step, zeros, xs, tile_used_u, weights)
     dx_utd = dx_sbtd.reshape(x_utd.shape[0], x_utd.shape[1], -1).astype(x_utd.dtype)
     return (
         dx_utd,

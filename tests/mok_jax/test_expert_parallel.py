@@ -144,6 +144,20 @@ class ExpertParallelTest(parameterized.TestCase):
                 (dp.w_gate, dp.w_up, dp.w_down), (dp1.w_gate, dp1.w_up, dp1.w_down)
             )
 
+    def test_shared_expert_weight_gradients_add_up_in_f32(self):
+        # bf16 compute: each device's chunks add their weight gradients in f32 before the sum
+        # over devices, so EP 8 differs from one device by f32 rounding only (rounding each
+        # chunk's part to bf16 first differed by ~2^-9, as seen on two H200s).
+        cfg = dataclasses.replace(SCALED_PRESETS["deepseek_v3"], row_tile=8)
+        x, params, cotangent = random_inputs(cfg, NUM_TOKENS, 9)
+        _, (_, dp1) = value_and_grads(x, params, cotangent, cfg, None)
+        _, (_, dp) = value_and_grads(x, params, cotangent, cfg, mesh_of("expert"))
+        for name in ("shared_w_gate", "shared_w_up", "shared_w_down"):
+            got, want = getattr(dp, name), getattr(dp1, name)
+            self.assertEqual(got.dtype, jnp.float32)
+            error = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+            self.assertLess(error, 1e-5, name)
+
     def test_module_under_set_mesh(self):
         model = mok_jax.MoE(DSV3, rngs=nnx.Rngs(0))
         specs = nnx.get_partition_spec(nnx.state(model))
