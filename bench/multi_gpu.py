@@ -157,8 +157,12 @@ def within_tolerance(actual, expected, dtype) -> bool:
     return True
 
 
+EP_DEGREES = [1, 2, 4, 8, 16, 32, 64]
+EXCHANGES = list(mok_jax.EXCHANGES)
+
+
 def ep_degrees(num_devices: int) -> list[int]:
-    return [ep for ep in (1, 2, 4, 8, 16, 32, 64) if ep <= num_devices]
+    return [ep for ep in EP_DEGREES if ep <= num_devices]
 
 
 # --- 1. correctness ------------------------------------------------------------------------
@@ -167,8 +171,8 @@ def ep_degrees(num_devices: int) -> list[int]:
 def correctness(name, cfg, num_tokens, record, timed) -> None:
     base = None
     for ep in ep_degrees(len(jax.devices())):
-        for exch in mok_jax.EXCHANGES:
-            if ep == 1 and exch != "ring":
+        for exch in EXCHANGES:
+            if ep == 1 and exch != EXCHANGES[-1]:
                 continue  # one device: both exchanges take the same local path
             c = dataclasses.replace(cfg, exchange=exch)
             mesh = make_mesh("expert", devices=jax.devices()[:ep])
@@ -229,8 +233,8 @@ def no_exchange():
 
 def scaling(name, cfg, tokens_per_device, record, timed, budget_end) -> None:
     for ep in ep_degrees(len(jax.devices())):
-        for exch in mok_jax.EXCHANGES:
-            if ep == 1 and exch != "ring":
+        for exch in EXCHANGES:
+            if ep == 1 and exch != EXCHANGES[-1]:
                 continue
             if time.monotonic() > budget_end:
                 record({"part": "scaling", "case": name, "ep": ep, "skipped": "budget"})
@@ -292,7 +296,7 @@ def bandwidth(cfg, tokens_per_device, record, timed) -> None:
     """Each device sends N = T k rows of D, an equal share to every device (its own share
     stays). Bytes leaving a device: N D 2 (EP - 1) / EP."""
     rows, width = tokens_per_device * cfg.top_k, cfg.d_model
-    for ep in ep_degrees(len(jax.devices()))[1:]:
+    for ep in [ep for ep in ep_degrees(len(jax.devices())) if ep > 1]:
         mesh = make_mesh("expert", devices=jax.devices()[:ep])
         x = jax.device_put(
             jnp.ones((rows * ep, width), jnp.bfloat16),
@@ -318,6 +322,63 @@ def bandwidth(cfg, tokens_per_device, record, timed) -> None:
             )
 
 
+# --- the report ------------------------------------------------------------------------------
+
+
+def report(results: list[dict]) -> str:
+    """Markdown tables of one or more runs' JSON (rows tagged with the run's XLA_FLAGS)."""
+    rows = [dict(r, xla_flags=res.get("xla_flags", "")) for res in results for r in res["rows"]]
+    out = []
+    correct = [r for r in rows if r["part"] == "correctness" and "bitwise_vs_single_gpu" in r]
+    if correct:
+        out += [
+            "| case | T | EP | exchange | rounds | 3 runs bitwise | within tolerance | bitwise "
+            "equal to 1 GPU | not bitwise (max rel. error) |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for r in correct:
+            same = [k for k, v in r["bitwise_vs_single_gpu"].items() if v]
+            diff = [
+                f"{k} {r['max_rel_err_vs_single_gpu'][k]:.1e}"
+                for k, v in r["bitwise_vs_single_gpu"].items()
+                if not v
+            ]
+            out.append(
+                f"| {r['case']} | {r['tokens']} | {r['ep']} | {r['exchange']} | {r['rounds']} | "
+                f"{r['repeat_bitwise_3_runs']} | {r['within_tolerance_of_single_gpu']} | "
+                f"{', '.join(same)} | {', '.join(diff) or '-'} |"
+            )
+        out.append("")
+    band = [r for r in rows if r["part"] == "bandwidth"]
+    if band:
+        out += [
+            "| EP | collective | XLA_FLAGS | MB leaving each device | ms | GB/s per device |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        for r in band:
+            out.append(
+                f"| {r['ep']} | {r['collective']} | {r['xla_flags'] or '(default)'} | "
+                f"{r['bytes_leaving_each_device'] / 1e6:.1f} | {r['ms']} | "
+                f"{r['gb_per_s_per_device']} |"
+            )
+        out.append("")
+    scale = [r for r in rows if r["part"] == "scaling" and "fwd_bwd_ms" in r]
+    if scale:
+        out += [
+            "| case | tokens/device | EP | exchange | XLA_FLAGS | fwd+bwd ms | no-exchange ms | "
+            "exchange share |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for r in scale:
+            out.append(
+                f"| {r['case']} | {r['tokens_per_device']} | {r['ep']} | {r['exchange']} | "
+                f"{r['xla_flags'] or '(default)'} | {r['fwd_bwd_ms']} | "
+                f"{r.get('no_exchange_fwd_bwd_ms', '-')} | {r.get('exchange_share', '-')} |"
+            )
+        out.append("")
+    return "\n".join(out)
+
+
 # --- the run ---------------------------------------------------------------------------------
 
 
@@ -331,15 +392,24 @@ def git_commit() -> str:
 
 
 def main(argv: list[str]) -> None:
+    if argv[:1] == ["report"]:  # python -m bench.multi_gpu report A.json B.json ...
+        print(report([json.loads(pathlib.Path(p).read_text()) for p in argv[1:]]))
+        return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=pathlib.Path, required=True)
     ap.add_argument("--parts", default="correctness,scaling,bandwidth")
     ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     ap.add_argument("--timed", type=int, default=10)
+    ap.add_argument("--eps", default="", help="comma-separated EP degrees (default: all)")
+    ap.add_argument("--exchanges", default="", help="comma-separated (default: both)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="no scaling run starts after")
     ap.add_argument("--smoke", action="store_true", help="CPU: 8 simulated devices, tiny layer")
     args = ap.parse_args(argv)
     start = time.monotonic()
+    if args.eps:
+        EP_DEGREES[:] = [int(ep) for ep in args.eps.split(",")]
+    if args.exchanges:
+        EXCHANGES[:] = args.exchanges.split(",")
     args.out.mkdir(parents=True, exist_ok=True)
     devices = jax.devices()
     results = {
@@ -350,6 +420,7 @@ def main(argv: list[str]) -> None:
         "jax": jax.__version__,
         "git_commit": git_commit(),
         "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "rows": [],
     }
     path = args.out / "multi_gpu.json"
