@@ -3,6 +3,7 @@ NaN stops with a clear error and keeps the last good checkpoint, --check-determi
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import jax
@@ -68,8 +69,13 @@ def test_nan_stops_and_keeps_the_last_good_checkpoint(tmp_path):
         TrainingDiverged, match=r"diverged at step 4: .*last good checkpoint is step 2"
     ):
         train(MICRO_MODEL, cfg, progress=False, sample=False, state_hook=poison)
+    # A save interrupted half-way (orbax's temporary folder, never renamed) is not a checkpoint.
+    half = tmp_path / "checkpoints" / "4.orbax-checkpoint-tmp-1764489600000000"
+    half.mkdir()
+    (half / "partial").write_bytes(b"\0" * 16)
     checkpoints = Checkpoints(tmp_path)
     assert checkpoints.manager.all_steps() == [2]
+    assert checkpoints.latest_step() == 2
     state = checkpoints.restore(get_trainer(MICRO_MODEL, cfg, make_train_mesh(cfg)))
     checkpoints.close()
     assert int(state.step) == 2
@@ -82,6 +88,10 @@ def test_fresh_run_refuses_a_used_workdir(tmp_path):
     _run(tmp_path, steps=1)
     with pytest.raises(WorkdirInUse, match="--resume continues it"):
         _run(tmp_path, steps=1)
+    # Resuming with another model is refused before anything is compiled or written.
+    other = dataclasses.replace(MICRO_MODEL, moe_every=1)
+    with pytest.raises(ValueError, match="another model config"):
+        train(other, micro_train(tmp_path, steps=2), resume=True, progress=False, sample=False)
 
 
 def test_check_determinism(tmp_path):

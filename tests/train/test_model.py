@@ -33,9 +33,18 @@ def _with_implementation(cfg: ModelConfig, implementation: str) -> ModelConfig:
     return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, implementation=implementation))
 
 
-def test_shapes_and_blocks():
-    model = LanguageModel(MICRO_MODEL, rngs=nnx.Rngs(0))
-    logits, auxes = model(_tokens((2, 16)))
+@pytest.fixture(scope="module")
+def model() -> LanguageModel:
+    return LanguageModel(MICRO_MODEL, rngs=nnx.Rngs(0))
+
+
+@nnx.jit
+def _forward(model: LanguageModel, tokens):
+    return model(tokens)
+
+
+def test_shapes_and_blocks(model):
+    logits, auxes = _forward(model, _tokens((2, 16)))
     chex.assert_shape(logits, (2, 16, 256))
     assert logits.dtype == jnp.float32
     # moe_every=2: block 0 dense, block 1 MoE.
@@ -46,18 +55,16 @@ def test_shapes_and_blocks():
 
 def test_every_block_moe():
     cfg = dataclasses.replace(MICRO_MODEL, moe_every=1)
-    model = LanguageModel(cfg, rngs=nnx.Rngs(0))
-    _, auxes = model(_tokens((1, 8)))
+    _, auxes = _forward(LanguageModel(cfg, rngs=nnx.Rngs(0)), _tokens((1, 8)))
     assert len(auxes) == cfg.n_layers == cfg.num_moe_layers
 
 
-def test_causal():
+def test_causal(model):
     """Changing the byte at position p changes no logit before p."""
-    model = LanguageModel(MICRO_MODEL, rngs=nnx.Rngs(0))
     tokens = _tokens((2, 16))
     changed = tokens.at[:, 9].set((tokens[:, 9] + 1) % 256)
-    before, _ = model(tokens)
-    after, _ = model(changed)
+    before, _ = _forward(model, tokens)
+    after, _ = _forward(model, changed)
     np.testing.assert_array_equal(before[:, :9], after[:, :9])
     assert not np.array_equal(before[:, 9:], after[:, 9:])
 
@@ -85,8 +92,7 @@ def _loss_and_grad_norm(cfg: ModelConfig, tokens):
         logits, auxes = model(tokens[:, :-1])
         return cross_entropy(logits, tokens[:, 1:]) + sum(a.loss for a in auxes)
 
-    value, grads = nnx.value_and_grad(loss)(model)
-    return value, grads
+    return nnx.jit(nnx.value_and_grad(loss))(model)
 
 
 def test_reference_and_xla_agree():
@@ -118,8 +124,7 @@ def test_flops_per_token_by_hand():
     assert model_flops_per_token(cfg, s) == expected
 
 
-def test_count_params_active():
-    model = LanguageModel(MICRO_MODEL, rngs=nnx.Rngs(0))
+def test_count_params_active(model):
     total, active = count_params(model)
     assert total - active == (8 - 2) * 3 * 32 * 32  # one MoE block, 6 idle experts
 
