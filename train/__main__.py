@@ -18,12 +18,12 @@ import os
 import sys
 from collections.abc import Sequence
 
-# Only the standard library before the device count is set: jax reads XLA_FLAGS when its
-# backends start, and importing the configs imports jax.
+# jax reads XLA_FLAGS when its first backend starts, not when it is imported: importing the
+# configs (and jax with them) before the device count is set is fine; using a device is not.
+from mok_jax.config import IMPLEMENTATIONS
+from train.config import MESH_LAYOUTS, PRESETS
+
 DEFAULT_CPU_DEVICES = 8
-_PRESETS = ("tiny", "small", "gpu")
-_IMPLEMENTATIONS = ("reference", "xla", "pallas")
-_LAYOUTS = ("expert", "data_expert")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -38,9 +38,12 @@ def _train_parser() -> argparse.ArgumentParser:
             "Train the byte-level MoE language model (mok_jax.MoE feed-forward blocks). "
             "Subcommand: 'python -m train sample --help'."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog=_presets_text(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--preset", default="tiny", choices=_PRESETS, help="model + run preset")
+    p.add_argument(
+        "--preset", default="tiny", choices=sorted(PRESETS), help="model + run (default tiny)"
+    )
     p.add_argument("--steps", type=int, help="train up to this step (default: the preset's)")
     p.add_argument(
         "--schedule-steps",
@@ -68,13 +71,18 @@ def _train_parser() -> argparse.ArgumentParser:
         help=f"devices to use; on CPU, the simulated devices per process (default: "
         f"{DEFAULT_CPU_DEVICES} on CPU, all on GPU)",
     )
-    p.add_argument("--layout", choices=_LAYOUTS, default="expert", help="mesh layout")
+    p.add_argument(
+        "--layout",
+        choices=MESH_LAYOUTS,
+        default="expert",
+        help="mesh layout: expert (1 x devices, EP = devices; the default) or data_expert",
+    )
     p.add_argument(
         "--data-parallel",
         type=int,
         help="the data-parallel degree of --layout data_expert (EP = devices / this)",
     )
-    p.add_argument("--implementation", choices=_IMPLEMENTATIONS, help="MoE implementation")
+    p.add_argument("--implementation", choices=IMPLEMENTATIONS, help="MoE implementation")
     p.add_argument("--seed", type=int, help="initialization and batch-order seed")
     p.add_argument("--eval-every", type=int, help="evaluate every N steps (0: off)")
     p.add_argument("--save-every", type=int, help="checkpoint every N steps (0: only at the end)")
@@ -96,6 +104,21 @@ def _train_parser() -> argparse.ArgumentParser:
         help="call jax.distributed.initialize() with its auto-detection (SLURM, ...)",
     )
     return p
+
+
+def _presets_text() -> str:
+    """The presets' main values, for --help."""
+    lines = ["presets:"]
+    for name, preset in PRESETS.items():
+        m, t = preset.model, preset.train
+        lines.append(
+            f"  {name}: {m.n_layers} blocks, D {m.d_model}, {m.moe.num_experts} experts top-"
+            f"{m.moe.top_k}, MoE every {m.moe_every} block(s), {m.dtype.name}; {t.steps} steps "
+            f"(schedule {t.schedule_steps}, warmup {t.warmup_steps}) of {t.batch_size} x "
+            f"{t.seq_len} bytes, lr {t.peak_lr:g}, eval every {t.eval_every}, save every "
+            f"{t.save_every}, router bias rate {t.router_bias_rate:g}"
+        )
+    return "\n".join(lines)
 
 
 def _sample_parser() -> argparse.ArgumentParser:
@@ -149,8 +172,6 @@ def _distributed(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
 
 def _configs(args: argparse.Namespace):
     import dataclasses
-
-    from train.config import PRESETS
 
     preset = PRESETS[args.preset]
     changes = {
