@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 import mok_jax
-from mok_jax import deterministic_compiler_options, make_mesh
+from mok_jax import compiler_options, make_mesh
 
 CASES = {
     "tiny": (mok_jax.presets["tiny"], 4096),
@@ -56,7 +56,7 @@ def run_case(name: str, cfg, num_tokens: int, exchange: str) -> dict:
     x = jax.random.normal(key_x, (num_tokens, cfg.d_model), jnp.bfloat16)
     cotangent = jax.random.normal(key_c, (num_tokens, cfg.d_model), jnp.float32)
     mesh = make_mesh("expert", devices=jax.devices()[:1])
-    options = deterministic_compiler_options()
+    options = compiler_options()
     grad = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
     fwd = jax.jit(lambda *a: loss(*a, cfg, mesh), compiler_options=options)
     fwd_bwd = jax.jit(lambda *a: grad(*a, cfg, mesh), compiler_options=options)

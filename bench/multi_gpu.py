@@ -48,7 +48,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import mok_jax
-from mok_jax import deterministic_compiler_options, exchange, make_mesh, routed
+from mok_jax import compiler_options, exchange, make_mesh, routed
 from mok_jax.mesh import shard_params, shard_tokens
 
 # (config, tokens per device) of the weak-scaling runs: DESIGN.md's layer shapes, with the
@@ -74,9 +74,7 @@ def loss(x, params, cotangent, cfg, mesh):
 def step_fn(cfg, mesh):
     """A fresh jit of ((loss, (y, aux)), (dx, dparams)) on `mesh`."""
     grad = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
-    return jax.jit(
-        lambda x, p, c: grad(x, p, c, cfg, mesh), compiler_options=deterministic_compiler_options()
-    )
+    return jax.jit(lambda x, p, c: grad(x, p, c, cfg, mesh), compiler_options=compiler_options())
 
 
 def inputs(cfg, num_tokens: int, mesh):

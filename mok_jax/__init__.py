@@ -10,7 +10,7 @@ from mok_jax.config import (
     ScoreFn,
     scale_down,
 )
-from mok_jax.determinism import deterministic_compiler_options
+from mok_jax.determinism import compiler_options, deterministic_compiler_options
 from mok_jax.hf import from_hf
 from mok_jax.layer import moe
 from mok_jax.mesh import LAYOUTS, Layout, ShardingRules, make_mesh
@@ -34,6 +34,7 @@ __all__ = [
     "RouterBias",
     "ScoreFn",
     "ShardingRules",
+    "compiler_options",
     "deterministic_compiler_options",
     "from_hf",
     "init_params",

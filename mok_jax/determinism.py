@@ -1,15 +1,21 @@
-"""Run-to-run determinism across processes: the compile options for the jit holding the layer.
+"""Compile options for the jit that holds the layer: deterministic GEMM choice, fast exchange.
 
 Every mok_jax formulation is deterministic for a given compiled executable: no scatter-add, no
 atomics, fixed reduction orders. On GPU, XLA's autotuner picks each GEMM's algorithm by timing
 candidates while it compiles, so two processes can compile different algorithms, with different
 accumulation orders, and the `xla` implementation's bits can differ between them (seen on the
 H200 on 2026-11-30). Turning the autotuner off for that one executable makes the choice a
-function of the shapes. This is a per-executable option, not a process-wide flag:
+function of the shapes. These are per-executable options, not process-wide flags:
 
-    step = jax.jit(train_step, compiler_options=mok_jax.deterministic_compiler_options())
+    step = jax.jit(train_step, compiler_options=mok_jax.compiler_options())
 
-On CPU the option changes nothing.
+`compiler_options()` adds XLA's dense decomposition of `ragged_all_to_all` (the exchange
+"ragged_all_to_all" on GPUs): on two NVLink-connected H200s (EP 2, 2026-11-30) XLA's default
+one-shot kernel moved 67 MB per device at 2.6 GB/s (25 ms, against 0.55 ms for a dense
+`all_to_all` of the same bytes), and the layer's forward+backward at qwen3 shapes took 361 ms
+with it and 120 ms with the decomposition (bitwise the same results;
+bench/results/multi_gpu_h200x2.md). The decomposition pads every peer's chunk, so the bytes it
+moves grow with EP: measured at EP 2 only. On CPU neither option changes anything.
 """
 
 from __future__ import annotations
@@ -18,3 +24,12 @@ from __future__ import annotations
 def deterministic_compiler_options() -> dict[str, int]:
     """Compile options that make XLA:GPU pick GEMM algorithms without timing them."""
     return {"xla_gpu_autotune_level": 0}
+
+
+def compiler_options() -> dict[str, int | bool]:
+    """The options for a jit holding the layer: `deterministic_compiler_options()` and XLA's
+    dense decomposition of `ragged_all_to_all` (see the module docstring)."""
+    return {
+        **deterministic_compiler_options(),
+        "xla_gpu_unsupported_enable_ragged_all_to_all_decomposer": True,
+    }

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from mok_jax.config import IMPLEMENTATIONS, PRESETS, MoEConfig, scale_down
-from mok_jax.determinism import deterministic_compiler_options
+from mok_jax.determinism import compiler_options
 from mok_jax.layer import moe
 from mok_jax.params import MoEParams, init_params
 from mok_jax.routing import MoEAux
@@ -96,7 +96,7 @@ def _loss_fn(cfg: MoEConfig, cotangent: jax.Array) -> Callable:
 
     return jax.jit(
         jax.value_and_grad(loss, argnums=(0, 1), has_aux=True),
-        compiler_options=deterministic_compiler_options(),
+        compiler_options=compiler_options(),
     )
 
 
@@ -165,7 +165,7 @@ def _run(args: argparse.Namespace, cfg: MoEConfig) -> bool:
     # FLOPs of the expert GEMMs (3 per SwiGLU) of the forward; the backward does twice as many.
     flops = 2 * args.tokens * (cfg.top_k + cfg.num_shared_experts) * 3 * cfg.d_model * cfg.d_ff
 
-    forward = jax.jit(moe, static_argnames="cfg", compiler_options=deterministic_compiler_options())
+    forward = jax.jit(moe, static_argnames="cfg", compiler_options=compiler_options())
     (y, aux), first, median = _timed(lambda: forward(x, params, cfg=cfg), repeats=args.repeats)
     print(f"shapes        : x {x.shape} {x.dtype} -> y {y.shape} {y.dtype}")
     print(f"aux losses    : aux_loss {float(aux.aux_loss):.6f}, z_loss {float(aux.z_loss):.6f}")

@@ -13,7 +13,7 @@ from mok_jax import (
     MoEAux,
     MoEConfig,
     MoEParams,
-    deterministic_compiler_options,
+    compiler_options,
     init_params,
     moe,
     presets,
@@ -55,9 +55,7 @@ def jit_value_and_grads():
             x, params, cotangent, cfg
         )
 
-    return jax.jit(
-        value_and_grads, static_argnames="cfg", compiler_options=deterministic_compiler_options()
-    )
+    return jax.jit(value_and_grads, static_argnames="cfg", compiler_options=compiler_options())
 
 
 value_and_grads = jit_value_and_grads()

@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 import mok_jax
-from mok_jax import MoEConfig, deterministic_compiler_options, make_mesh
+from mok_jax import MoEConfig, compiler_options, make_mesh
 from mok_jax.mesh import ShardingRules
 from tests.mok_jax.cases import SCALED_PRESETS, assert_aux_equal, assert_close, random_inputs
 from tests.mok_jax.test_layer import scatter_combiners
@@ -41,7 +41,7 @@ def value_and_grads_fn():
     return jax.jit(
         jax.value_and_grad(loss_and_outputs, argnums=(0, 1), has_aux=True),
         static_argnums=(3, 4),
-        compiler_options=deterministic_compiler_options(),
+        compiler_options=compiler_options(),
     )
 
 

@@ -359,7 +359,7 @@ print(digest.hexdigest())
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", sorted(GPU_LAYERS))
 def test_gpu_same_bits_in_another_process(name):
-    """Two processes compile separately: with `deterministic_compiler_options` (used by
+    """Two processes compile separately: with `compiler_options` (used by
     `value_and_grads`) the autotuner cannot pick different GEMM algorithms in each."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     digests = [
