@@ -226,19 +226,19 @@ PRESETS: Mapping[str, Preset] = MappingProxyType(
         # tokens per device.
         "tiny": Preset(
             model=ModelConfig(
-                d_model=64,
+                d_model=128,
                 n_layers=2,
                 n_heads=4,
-                head_dim=16,
+                head_dim=32,
                 max_seq_len=128,
                 moe=_moe(
-                    d_model=64, d_ff=128, num_experts=8, top_k=2, dtype="float32", row_tile=32
+                    d_model=128, d_ff=256, num_experts=8, top_k=2, dtype="float32", row_tile=32
                 ),
             ),
             train=TrainConfig(
-                steps=300,
-                schedule_steps=300,
-                warmup_steps=20,
+                steps=500,
+                schedule_steps=500,
+                warmup_steps=25,
                 peak_lr=3e-3,
                 batch_size=16,
                 seq_len=128,
