@@ -262,6 +262,8 @@ def train(
         state = checkpoints.restore(trainer, latest)
         say(f"resumed from {checkpoints.directory} at step {latest}")
     else:
+        if resume:
+            say(f"--resume: no checkpoint in {checkpoints.directory}; starting from step 0")
         state = trainer.init_state()
     start = int(jax.device_get(state.step))
     if run.pid == 0:
