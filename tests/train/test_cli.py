@@ -189,3 +189,28 @@ def test_two_processes_match_one(tmp_path):
         )
     assert two_records[-1]["expert_load"] == one_records[-1]["expert_load"]
     assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir()) == ["3"]
+
+
+@pytest.mark.parametrize(
+    ("before", "devices", "after"),
+    [
+        ("", None, "--xla_force_host_platform_device_count=8"),
+        ("--xla_cpu_foo=1", 4, "--xla_cpu_foo=1 --xla_force_host_platform_device_count=4"),
+        (
+            "--xla_force_host_platform_device_count=8 --xla_cpu_foo=1",
+            2,
+            "--xla_cpu_foo=1 --xla_force_host_platform_device_count=2",
+        ),
+        (
+            "--xla_force_host_platform_device_count=16",
+            None,
+            "--xla_force_host_platform_device_count=16",
+        ),
+    ],
+)
+def test_device_count_keeps_other_xla_flags(monkeypatch, before, devices, after):
+    from train.__main__ import _set_devices, _train_parser
+
+    monkeypatch.setenv("XLA_FLAGS", before)
+    _set_devices(devices, _train_parser())
+    assert os.environ["XLA_FLAGS"] == after
