@@ -17,10 +17,13 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 
+import mok_jax
 from train.model import LanguageModel
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new"))
+@functools.partial(
+    jax.jit, static_argnames=("graphdef", "max_new"), compiler_options=mok_jax.compiler_options()
+)
 def _generate(graphdef, params, model_state, buffer_bl, length_b, key, temperature, *, max_new):
     model = nnx.merge(graphdef, params, model_state)
     num_rows, buffer_len = buffer_bl.shape

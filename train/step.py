@@ -5,7 +5,8 @@ The state is one pytree (`TrainState`: step, parameters, router biases, optimize
 plain dicts of arrays, so orbax saves and restores it as is. The train step is compiled once,
 with explicit in/out shardings (parameters as their variables' `out_sharding` metadata says:
 experts over `expert`, the rest replicated; the batch over (`data`, `expert`)), the state
-donated, and mok_jax's deterministic compile options.
+donated, and mok_jax's compile options (`mok_jax.compiler_options()`: deterministic GEMM
+choice on GPU).
 """
 
 from __future__ import annotations
@@ -142,7 +143,7 @@ class Trainer:
         step_fn = self._train_step
         if max_traces is not None:
             step_fn = chex.assert_max_traces(step_fn, n=max_traces)
-        options = mok_jax.deterministic_compiler_options()
+        options = mok_jax.compiler_options()
         if mesh is None:
             self._step = jax.jit(step_fn, donate_argnums=0, compiler_options=options)
             self._eval = jax.jit(self._eval_loss, compiler_options=options)
@@ -169,9 +170,11 @@ class Trainer:
             raise ValueError(f"seq_len={cfg.seq_len} > max_seq_len={self.model_cfg.max_seq_len}")
         if mesh is None:
             return
-        if cfg.implementation != "xla":
+        # The layer itself rejects an implementation it cannot run under a mesh when traced;
+        # the oracle never can, so say it before compiling anything.
+        if cfg.implementation == "reference":
             raise ValueError(
-                f"implementation={cfg.implementation!r} runs on one device without a mesh; "
+                "implementation='reference' runs on one device without a mesh (--devices 1); "
                 "under a mesh use 'xla'"
             )
         ep, devices = mesh.shape["expert"], mesh.size
