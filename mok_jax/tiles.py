@@ -6,6 +6,7 @@ for T <= 33, and for narrow E at any T). A row's result must not depend on how m
 experts a device holds, so every dot here has a shape fixed by the config alone:
 
   token dots   [TILES_PER_STEP * row_tile, D] x [D, N], one loop step per chunk of tokens
+               (the shared experts: the batch-1 form of the expert dots below)
   expert dots  [TILES_PER_STEP, row_tile, D] x [TILES_PER_STEP, D, F], one expert per tile
 
 Expert groups are padded to whole tiles, each starting at its group's first row, so a tile holds
@@ -15,7 +16,15 @@ Invariants:
   1. A row's forward result and its input gradient are the same bits for every tile count.
   2. Weight gradients accumulate tile by tile, in tile order, in f32 (no scatter-add); tiles of
      one expert are in row order, so the order is the rows' order.
-  3. Padding rows are zeros and padding tiles are skipped in the weight gradients.
+  3. Padding rows are zeros. Used tiles are a prefix of the tiles (see `TileLayout`), and the
+     expert loops run only the steps that hold one, forward and backward: a receive buffer's
+     empty tiles cost nothing.
+
+Reverse mode is first order only: the expert loops' trip count is data dependent (as is the
+round count in routed.py), and the shared experts' SwiGLU is a custom VJP. Weight gradients are
+returned in the weights' dtype, so with bf16 parameters each device's sum is rounded before the
+sum over devices; with f32 parameters (the default) nothing depends on tokens per device but the
+order of that last sum.
 """
 
 from __future__ import annotations
@@ -149,7 +158,9 @@ class TileLayout:
       slot_row_q: [Q] the row in each slot, -1 for padding.
       row_slot_r: [R] the slot of each row, -1 for rows of no expert.
       tile_expert_u: [U] the local expert of each tile (G-1 for unused tiles).
-      tile_used_u: [U] whether the tile holds any row.
+      tile_used_u: [U] whether the tile holds any row; the used tiles are the first
+        sum(tiles_g) (tile u belongs to the expert whose tile range contains u), which the
+        expert loops rely on.
       tiles_g: [G] tiles of each local expert (its tiles are consecutive, in expert order).
       row_tile: rows per tile.
     """
@@ -169,7 +180,9 @@ def tile_layout(expert_r: Array, num_local: int, row_tile: int) -> TileLayout:
     """
     num_rows = expert_r.shape[0]
     num_tiles = _round_up(-(-num_rows // row_tile) + num_local, TILES_PER_STEP)
-    num_tiles = max(num_tiles, MIN_STEPS * TILES_PER_STEP)  # see token_tiled
+    # A static floor kept from the static loops (see token_tiled); the expert loops' trip
+    # count is now data dependent, so under jit no one-step loop is inlined anyway.
+    num_tiles = max(num_tiles, MIN_STEPS * TILES_PER_STEP)
     order_r = jnp.argsort(expert_r, stable=True).astype(jnp.int32)
     sorted_expert_r = expert_r[order_r]
     expert_ids = jnp.arange(num_local, dtype=jnp.int32)
@@ -294,11 +307,11 @@ def _tiled_swiglu(x_utd, w_gate_gdf, w_up_gdf, w_down_gfd, tile_expert_u, tile_u
         return carry, _step_forward(x_btd, *(w[expert_b] for w in weights), dtype)[3]
 
     xs = (_steps(x_utd), _steps(tile_expert_u))
-    _, y_sbtd = _scan_used_steps(step, (), xs, tile_used_u, weights)
+    _, y_sbtd = _scan_used_steps(step, (), xs, tile_used_u)
     return y_sbtd.reshape(x_utd.shape[0], x_utd.shape[1], -1)
 
 
-def _scan_used_steps(step, carry, xs, tile_used_u: Array, closed_over=()):
+def _scan_used_steps(step, carry, xs, tile_used_u: Array):
     """`lax.scan(step, carry, xs)` over the loop steps that hold a used tile, in order; the
     outputs of the other steps are zeros. Used tiles come first (see `tile_layout`), so the
     loop runs ceil(used / TILES_PER_STEP) steps: the receive buffers are sized for imbalance
@@ -306,9 +319,15 @@ def _scan_used_steps(step, carry, xs, tile_used_u: Array, closed_over=()):
     num_steps = (jnp.sum(tile_used_u, dtype=jnp.int32) + TILES_PER_STEP - 1) // TILES_PER_STEP
     first = jax.tree.map(lambda a: a[0], xs)
     out_types = jax.eval_shape(lambda c, x: step(c, x)[1], carry, first)
-    axes = frozenset().union(*(varying_axes(a) for a in jax.tree.leaves((xs, carry, closed_over))))
     length = jax.tree.leaves(xs)[0].shape[0]
-    outs = jax.tree.map(lambda t: vary(jnp.zeros((length, *t.shape), t.dtype), axes), out_types)
+    # Inside shard_map the output buffers must vary over exactly the axes the step's outputs do.
+    outs = jax.tree.map(
+        lambda t: vary(
+            jnp.zeros((length, *t.shape), t.dtype),
+            frozenset(t.manual_axis_type.varying if t.manual_axis_type else ()),
+        ),
+        out_types,
+    )
 
     def body(i, state):
         carry, outs = state
@@ -373,8 +392,7 @@ def _tiled_swiglu_bwd(dtype, residuals, dy_utd):
         _zeros_varying_like(w.shape, x_utd, dy_utd, w) for w in (w_gate_gdf, w_up_gdf, w_down_gfd)
     )
     xs = (_steps(x_utd), _steps(dy_utd), _steps(tile_expert_u), _steps(tile_used_u))
-    weights = (w_gate_gdf, w_up_gdf, w_down_gfd)
-    (dw_gate, dw_up, dw_down), dx_sbtd = _scan_used_steps(step, zeros, xs, tile_used_u, weights)
+    (dw_gate, dw_up, dw_down), dx_sbtd = _scan_used_steps(step, zeros, xs, tile_used_u)
     dx_utd = dx_sbtd.reshape(x_utd.shape[0], x_utd.shape[1], -1).astype(x_utd.dtype)
     return (
         dx_utd,
