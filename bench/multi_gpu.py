@@ -168,7 +168,8 @@ def ep_degrees(num_devices: int) -> list[int]:
 
 def correctness(name, cfg, num_tokens, record, timed) -> None:
     base = None
-    for ep in ep_degrees(len(jax.devices())):
+    # EP 1 always: it is what every other degree is compared with.
+    for ep in sorted({1, *ep_degrees(len(jax.devices()))}):
         for exch in EXCHANGES:
             if ep == 1 and exch != EXCHANGES[-1]:
                 continue  # one device: both exchanges take the same local path
@@ -229,6 +230,14 @@ def no_exchange():
         exchange._transfer, routed.lax = original_transfer, original_lax
 
 
+def collectives_in(fn, *args) -> list[str]:
+    """The exchange's collectives in fn's lowered program (the counts' all_gather and the
+    rounds' pmax are not the exchange and are not listed)."""
+    text = fn.lower(*args).as_text()
+    names = ("ragged_all_to_all", "all_to_all", "collective_permute")
+    return [name for name in names if f"stablehlo.{name}" in text or f"@{name}" in text]
+
+
 def scaling(name, cfg, tokens_per_device, record, timed, budget_end) -> None:
     for ep in ep_degrees(len(jax.devices())):
         for exch in EXCHANGES:
@@ -256,7 +265,11 @@ def scaling(name, cfg, tokens_per_device, record, timed, budget_end) -> None:
             }
             if ep > 1:
                 with no_exchange():
-                    _, ms_local, all_local, _ = sync_time(step_fn(c, mesh), *args, timed=timed)
+                    local = step_fn(c, mesh)
+                    if left := collectives_in(local, *args):
+                        raise RuntimeError(f"the no-exchange program still has {left}")
+                    _, ms_local, all_local, _ = sync_time(local, *args, timed=timed)
+                row["exchange_collectives"] = collectives_in(step_fn(c, mesh), *args)
                 row["no_exchange_fwd_bwd_ms"] = round(ms_local, 3)
                 row["no_exchange_min_max"] = [round(min(all_local), 3), round(max(all_local), 3)]
                 row["exchange_share"] = round(1 - ms_local / ms, 3)

@@ -255,7 +255,10 @@ def tgmm(
 
     lhs_mk: [M, K] and rhs_mn: [M, N], bf16 or f16 (the same); group_sizes_g: int32 [G].
     K and N must be multiples of 64. Rows past sum(group_sizes_g) belong to no group; groups
-    are clipped at M. Empty groups give zeros. interpret=True (or an InterpretGPUParams, e.g.
+    are clipped at M. Empty groups give zeros. Every lhs row must be finite, also rows of no
+    group and of other groups: a group's first and last 8-row blocks multiply its neighbours'
+    lhs rows by zeroed rhs rows, and 0 * inf is NaN (reference.tgmm masks instead; the layer's
+    padding rows are zeros). interpret=True (or an InterpretGPUParams, e.g.
     with detect_races) runs the kernel under GPU interpret mode, on any backend.
     """
     if lhs_mk.ndim != 2 or rhs_mn.ndim != 2:
