@@ -1,7 +1,8 @@
 """The MoE layer as a function: `moe(x, params, cfg, mesh=None) -> (y, aux)`.
 
 The `xla` implementation runs the same stages on one device and on every device of a mesh
-(inside `jax.shard_map`, on that device's tokens and experts), each under `jax.named_scope`:
+(inside `jax.shard_map`, on that device's tokens and experts), each under `jax.named_scope`
+(`pallas` is the same stages with the Mosaic GPU grouped GEMMs in the experts stage):
 
   route     logits, scores, top-k experts and weights                 [T, D] -> [T, K]
   plan      stable sort of the N = T*K rows by expert; global counts  [T, K] -> Plan
@@ -233,10 +234,11 @@ def _reshape(a: Array, shape: tuple[int, ...], mesh, rules: ShardingRules | None
 def moe_sharded(
     x_td: Array, params: MoEParams, cfg: MoEConfig, mesh, rules: ShardingRules
 ) -> tuple[Array, MoEAux]:
-    """The `xla` implementation inside `jax.shard_map` over `mesh` (already checked)."""
-    if cfg.implementation != "xla":
+    """The `xla` or `pallas` implementation inside `jax.shard_map` over `mesh` (already
+    checked)."""
+    if cfg.implementation == "reference":
         raise ValueError(
-            f"implementation={cfg.implementation!r} runs on one device; under a mesh use 'xla'"
+            "implementation='reference' runs on one device; under a mesh use 'xla' or 'pallas'"
         )
     axes = _Axes(
         expert=rules.experts,
@@ -328,7 +330,8 @@ def moe(
 
     Raises:
       ValueError: x is not floating or its last dimension is not D, params do not fit cfg, or
-        the mesh cannot run it (no expert axis, E or T not divisible by the device counts).
+        the mesh cannot run it (no expert axis, E or T not divisible by the device counts,
+        implementation 'reference').
 
     Example:
       >>> cfg = mok_jax.presets["tiny"]

@@ -17,6 +17,12 @@
 Cotangents are cast to the compute dtype (lhs's) before they enter a kernel; weight gradients
 come out in the weights' dtype, input gradients in lhs's, d_s in f32. group_sizes gets no
 gradient. Every kernel call uses the defaults table's tiles (`tuning.py`).
+
+Inside `jax.shard_map` a kernel's output is typed as invariant over the mesh axes whatever its
+inputs, and a custom VJP's cotangents must have their primal's type. So the public functions
+first make every operand vary over the axes any of them varies over (`_vary_alike`: the
+gradient of an operand made to vary comes back summed over those axes), and every kernel
+result is made to vary over them too (`_like`). Outside shard_map both are no-ops.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import Array
+from jax import Array, lax
 
 from pallas_kernels.grouped_matmul import mosaic_gpu
 from pallas_kernels.grouped_matmul.mosaic_gpu_wgrad import tgmm
@@ -40,12 +46,36 @@ class _Static:
 
 
 # ----------------------------------------------------------------------------------------------
+# Mesh-axis types (inside shard_map)
+
+
+def _varying(a: Array) -> frozenset[str]:
+    return frozenset(jax.typeof(a).manual_axis_type.varying)
+
+
+def _vary(a: Array, axes: frozenset[str]) -> Array:
+    missing = tuple(sorted(axes - _varying(a)))
+    return lax.pcast(a, missing, to="varying") if missing else a
+
+
+def _vary_alike(*arrays: Array | None) -> tuple[Array | None, ...]:
+    """The arrays, each made to vary over every mesh axis one of them varies over."""
+    axes = frozenset().union(*(_varying(a) for a in arrays if a is not None))
+    return tuple(None if a is None else _vary(a, axes) for a in arrays)
+
+
+def _like(out: Array, operand: Array) -> Array:
+    """A kernel's output, typed to vary over the mesh axes `operand` varies over."""
+    return _vary(out, _varying(operand))
+
+
+# ----------------------------------------------------------------------------------------------
 # gmm
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _gmm(static: _Static, lhs, rhs, group_sizes):
-    return mosaic_gpu.gmm(
+    out = mosaic_gpu.gmm(
         lhs,
         rhs,
         group_sizes,
@@ -53,6 +83,7 @@ def _gmm(static: _Static, lhs, rhs, group_sizes):
         out_dtype=static.out_dtype,
         interpret=static.interpret,
     )
+    return _like(out, lhs)
 
 
 def _gmm_fwd(static, lhs, rhs, group_sizes):
@@ -69,7 +100,7 @@ def _gmm_bwd(static, residuals, dy):
         d_rhs = tgmm(dy, lhs, group_sizes, out_dtype=rhs.dtype, interpret=static.interpret)
     else:
         d_rhs = tgmm(lhs, dy, group_sizes, out_dtype=rhs.dtype, interpret=static.interpret)
-    return d_lhs, d_rhs, None
+    return _like(d_lhs, lhs), _like(d_rhs, rhs), None
 
 
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)
@@ -81,7 +112,7 @@ _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _gmm_scaled(static: _Static, lhs, rhs, group_sizes, row_scale):
-    return mosaic_gpu.gmm(
+    out = mosaic_gpu.gmm(
         lhs,
         rhs,
         group_sizes,
@@ -89,6 +120,7 @@ def _gmm_scaled(static: _Static, lhs, rhs, group_sizes, row_scale):
         out_dtype=jnp.float32,
         interpret=static.interpret,
     )
+    return _like(out, lhs)
 
 
 def _gmm_scaled_fwd(static, lhs, rhs, group_sizes, row_scale):
@@ -100,14 +132,14 @@ def _gmm_scaled_bwd(static, residuals, dy):
     lhs, rhs, group_sizes, row_scale = residuals
     run = functools.partial(mosaic_gpu.gmm, interpret=static.interpret)
     # d_s = rowsum(dy * (lhs @ rhs[g])) in f32, from the recomputed unscaled output.
-    unscaled = run(lhs, rhs, group_sizes, out_dtype=jnp.float32)
+    unscaled = _like(run(lhs, rhs, group_sizes, out_dtype=jnp.float32), lhs)
     d_scale = jnp.sum(dy.astype(jnp.float32) * unscaled, axis=1)
     dy_c = dy.astype(lhs.dtype)
     # d_lhs = s * (dy @ rhs[g].T): the scale in the epilogue, in f32, before the cast.
     d_lhs = run(dy_c, rhs, group_sizes, transpose_rhs=True, row_scale_m=row_scale)
     scaled_dy = (dy.astype(jnp.float32) * row_scale[:, None]).astype(lhs.dtype)
     d_rhs = tgmm(lhs, scaled_dy, group_sizes, out_dtype=rhs.dtype, interpret=static.interpret)
-    return d_lhs, d_rhs, None, d_scale
+    return _like(d_lhs, lhs), _like(d_rhs, rhs), None, d_scale
 
 
 _gmm_scaled.defvjp(_gmm_scaled_fwd, _gmm_scaled_bwd)
@@ -128,14 +160,15 @@ def gmm(
     and the scale gets a gradient too (not with transpose_rhs)."""
     if row_scale_m is None:
         static = _Static(transpose_rhs=transpose_rhs, out_dtype=out_dtype, interpret=interpret)
-        return _gmm(static, lhs_mk, rhs_gkn, group_sizes_g)
+        return _gmm(static, *_vary_alike(lhs_mk, rhs_gkn, group_sizes_g))
     if transpose_rhs:
         raise ValueError("row_scale_m is supported with transpose_rhs=False only")
     if out_dtype is not None and jnp.dtype(out_dtype) != jnp.float32:
         raise ValueError(
             f"with row_scale_m the output is float32, got out_dtype={jnp.dtype(out_dtype).name}"
         )
-    return _gmm_scaled(_Static(interpret=interpret), lhs_mk, rhs_gkn, group_sizes_g, row_scale_m)
+    operands = _vary_alike(lhs_mk, rhs_gkn, group_sizes_g, row_scale_m)
+    return _gmm_scaled(_Static(interpret=interpret), *operands)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -144,7 +177,8 @@ def gmm(
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _gmm_swiglu(static: _Static, lhs, w_gate, w_up, group_sizes):
-    return mosaic_gpu.gmm_swiglu(lhs, w_gate, w_up, group_sizes, interpret=static.interpret)
+    out = mosaic_gpu.gmm_swiglu(lhs, w_gate, w_up, group_sizes, interpret=static.interpret)
+    return _like(out, lhs)
 
 
 def _gmm_swiglu_fwd(static, lhs, w_gate, w_up, group_sizes):
@@ -155,8 +189,8 @@ def _gmm_swiglu_fwd(static, lhs, w_gate, w_up, group_sizes):
 def _gmm_swiglu_bwd(static, residuals, dh):
     lhs, w_gate, w_up, group_sizes = residuals
     run = functools.partial(mosaic_gpu.gmm, out_dtype=jnp.float32, interpret=static.interpret)
-    gate = run(lhs, w_gate, group_sizes)
-    up = run(lhs, w_up, group_sizes)
+    gate = _like(run(lhs, w_gate, group_sizes), lhs)
+    up = _like(run(lhs, w_up, group_sizes), lhs)
     dh = dh.astype(jnp.float32)
     sig = jax.nn.sigmoid(gate)
     d_gate = dh * up * (sig * (1.0 + gate * (1.0 - sig)))
@@ -169,7 +203,8 @@ def _gmm_swiglu_bwd(static, residuals, dh):
     )
     d_w = tgmm(lhs, d_gate_up, group_sizes, out_dtype=w_gate.dtype, interpret=static.interpret)
     f = w_gate.shape[2]
-    return d_lhs, d_w[:, :, :f], d_w[:, :, f:], None
+    d_w = _like(d_w, w_gate)
+    return _like(d_lhs, lhs), d_w[:, :, :f], d_w[:, :, f:], None
 
 
 _gmm_swiglu.defvjp(_gmm_swiglu_fwd, _gmm_swiglu_bwd)
@@ -185,4 +220,5 @@ def gmm_swiglu(
 ) -> Array:
     """Differentiable `mosaic_gpu.gmm_swiglu`: silu(lhs @ w_gate[g]) * (lhs @ w_up[g]) -> [M, F]
     in lhs dtype."""
-    return _gmm_swiglu(_Static(interpret=interpret), lhs_mk, w_gate_gkf, w_up_gkf, group_sizes_g)
+    operands = _vary_alike(lhs_mk, w_gate_gkf, w_up_gkf, group_sizes_g)
+    return _gmm_swiglu(_Static(interpret=interpret), *operands)

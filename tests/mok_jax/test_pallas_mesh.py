@@ -1,0 +1,213 @@
+"""implementation="pallas" under a mesh: the Mosaic GPU grouped GEMMs inside `jax.shard_map`.
+
+On CPU the kernels run in GPU interpret mode (small shapes, few cases: it is slow) on 1 and 2
+devices, and the full forward+backward is lowered for CUDA on larger meshes. y and dx are the
+same bits as 'pallas' on one device: a row's result does not depend on the tile count (every
+kernel tile is one dot of a fixed shape, and a row's K-loop does not depend on its tile's
+neighbours); the rest is held to 'xla' under the same mesh to the bf16 tolerance.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import re
+from unittest import mock
+
+import chex
+import jax
+import jax.numpy as jnp
+import pytest
+from absl.testing import parameterized
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import mok_jax
+from mok_jax import make_mesh
+from pallas_kernels.grouped_matmul import ops
+from tests.mok_jax.cases import SCALED_PRESETS, assert_aux_equal, assert_close, random_inputs
+from tests.mok_jax.test_expert_parallel import lowered_for_cuda, value_and_grads, value_and_grads_fn
+
+# Small enough for interpret mode: 8 experts, top-2, 8-row tiles (D = F = 64).
+QWEN3 = dataclasses.replace(
+    SCALED_PRESETS["qwen3_30b_a3b"], implementation="pallas", num_experts=8, top_k=2, row_tile=8
+)
+NUM_TOKENS = 16
+# A Mosaic GPU kernel call in StableHLO lowered for CUDA (jax 0.11.2: @mosaic_gpu_v2).
+MOSAIC_GPU_CALL = re.compile(r"stablehlo\.custom_call @mosaic_gpu")
+
+
+def with_impl(cfg, implementation, **changes):
+    return dataclasses.replace(cfg, implementation=implementation, **changes)
+
+
+@contextlib.contextmanager
+def gpu_interpret_on_several_devices():
+    """Works around a race in jax 0.11.2's GPU interpret mode under a multi-device shard_map:
+    at the end of a kernel each device checks that no barrier of ANY device is still
+    allocated, while the other devices may still be running that kernel ("Barrier remains
+    allocated ... device_id=1"). Here each device first waits for all the others (on the
+    interpreter's own device barrier), then runs the same check. Nothing else changes."""
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+    original = gpu_callbacks._assert_no_barriers_allocated
+
+    @gpu_callbacks.fail_on_exception
+    def assert_after_every_device(token):
+        shared_memory = gpu_callbacks._get_shared_memory()
+        shared_memory.barrier.wait()
+        shared_memory.assert_no_barriers_allocated()
+        return token
+
+    gpu_callbacks._assert_no_barriers_allocated = assert_after_every_device
+    try:
+        yield
+    finally:
+        gpu_callbacks._assert_no_barriers_allocated = original
+
+
+def lowered_with_kernels(x, params, cotangent, cfg, mesh) -> str:
+    """`lowered_for_cuda` with the kernels themselves: the layer picks GPU interpret mode when
+    the default backend is a CPU, so here it is told the backend is a GPU."""
+    with mock.patch.object(jax, "default_backend", return_value="gpu"):
+        return lowered_for_cuda(x, params, cotangent, cfg, mesh)
+
+
+def mesh_of(layout: str, num_devices: int, **kw) -> jax.sharding.Mesh:
+    return make_mesh(layout, devices=jax.devices()[:num_devices], **kw)
+
+
+@functools.cache
+def one_device(cfg, seed):
+    """'pallas' without a mesh: ((loss, (y, aux)), (dx, dparams)), computed once per case."""
+    return value_and_grads(*random_inputs(cfg, NUM_TOKENS, seed), cfg, None)
+
+
+class PallasMeshTest(parameterized.TestCase):
+    def assert_pallas_mesh_matches(self, cfg, mesh, seed=0):
+        """'pallas' on `mesh` against 'pallas' on one device (y and dx bitwise, counts exactly,
+        the rest to tolerance) and against 'xla' on `mesh` (tolerance)."""
+        x, params, cotangent = random_inputs(cfg, NUM_TOKENS, seed)
+        (_, (y, aux)), (dx, dp) = value_and_grads(x, params, cotangent, cfg, mesh)
+        (_, (y1, aux1)), (dx1, dp1) = one_device(cfg, seed)
+        chex.assert_trees_all_equal(y, y1)
+        chex.assert_trees_all_equal(dx, dx1)
+        assert_aux_equal(aux, aux1)
+        assert_close(dp, dp1, cfg.dtype)
+        xla = with_impl(cfg, "xla")
+        (_, (y_x, aux_x)), grads_x = value_and_grads(x, params, cotangent, xla, mesh)
+        assert_close(y, y_x, cfg.dtype)
+        assert_aux_equal(aux, aux_x)
+        assert_close((dx, dp), grads_x, cfg.dtype)
+
+    def test_two_devices_equal_one(self):
+        with gpu_interpret_on_several_devices():
+            self.assert_pallas_mesh_matches(QWEN3, mesh_of("expert", 2))
+
+    def test_data_axis(self):
+        """Two devices on the data axis: the weights' gradients summed over it."""
+        with gpu_interpret_on_several_devices():
+            self.assert_pallas_mesh_matches(QWEN3, mesh_of("data_expert", 2, data=2))
+
+    def test_reference_still_refuses_a_mesh(self):
+        cfg = with_impl(QWEN3, "reference")
+        x, params, _ = random_inputs(cfg, NUM_TOKENS)
+        with self.assertRaisesRegex(ValueError, "under a mesh use 'xla' or 'pallas'"):
+            mok_jax.moe(x, params, cfg, mesh=mesh_of("expert", 2))
+
+
+@pytest.mark.parametrize(
+    "layout, exchange, collective",
+    [
+        ("dp2xep4", "ring", "collective_permute"),
+        pytest.param("ep2", "ring", "collective_permute", marks=pytest.mark.slow),
+        pytest.param("ep8", "ragged_all_to_all", "ragged_all_to_all", marks=pytest.mark.slow),
+        pytest.param("dp2xep4", "ragged_all_to_all", "ragged_all_to_all", marks=pytest.mark.slow),
+    ],
+)
+def test_lowered_for_cuda(layout, exchange, collective):
+    """The forward+backward lowers for CUDA with the kernels inside shard_map (each case lowers
+    some twenty Mosaic GPU kernels: slow, so one case runs by default)."""
+    cfg = with_impl(SCALED_PRESETS["deepseek_v3"], "pallas", exchange=exchange)
+    mesh = {
+        "ep2": lambda: mesh_of("expert", 2),
+        "ep8": lambda: mesh_of("expert", 8),
+        "dp2xep4": lambda: mesh_of("data_expert", 8, data=2),
+    }[layout]()
+    x, params, cotangent = random_inputs(cfg, 64, 0)
+    text = lowered_with_kernels(x, params, cotangent, cfg, mesh)
+    assert "sdy.manual_computation" in text
+    # A round's forward: gate/up and down; its backward: gate and up recomputed, the d_lhs
+    # gmms and the tgmms of both custom VJPs.
+    assert len(MOSAIC_GPU_CALL.findall(text)) >= 8
+    assert collective in text
+    assert "all_gather" in text  # the per-expert counts
+    assert "io_callback" not in text  # no interpret mode left
+
+
+def test_ops_inside_shard_map():
+    """The custom VJPs inside shard_map: rows varying over the axis, weights, scales and group
+    sizes not (their gradients summed over it); values and gradients the same bits as without
+    shard_map (a 1-device mesh: interpret mode)."""
+    m, d, f = 64, 64, 128
+    keys = jax.random.split(jax.random.key(3), 6)
+
+    def bf16(key, shape):
+        return (jax.random.normal(key, shape, jnp.float32) * 0.3).astype(jnp.bfloat16)
+
+    x = bf16(keys[0], (m, d))
+    weights = (bf16(keys[1], (3, d, f)), bf16(keys[2], (3, d, f)), bf16(keys[3], (3, f, d)))
+    scale = jax.random.uniform(keys[4], (m,), jnp.float32, 0.5, 1.5)
+    cotangent = jax.random.normal(keys[5], (m, d), jnp.float32)
+    sizes = jnp.asarray([20, 0, 37], jnp.int32)
+
+    def loss(x, w_gate, w_up, w_down, scale, cotangent, sizes):
+        h = ops.gmm_swiglu(x, w_gate, w_up, sizes, interpret=True)
+        y = ops.gmm(h, w_down, sizes, row_scale_m=scale, interpret=True)
+        return jnp.sum(y * cotangent)
+
+    def sharded_loss(*args):
+        return lax.psum(loss(*args), "rows")
+
+    mesh = jax.make_mesh((1,), ("rows",), devices=jax.devices()[:1])
+    specs = (P("rows"), P(), P(), P(), P(), P("rows"), P())
+    sharded = jax.shard_map(sharded_loss, mesh=mesh, in_specs=specs, out_specs=P())
+    args = (x, *weights, scale, cotangent, sizes)
+    placed = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs, strict=True)]
+    grad = functools.partial(jax.value_and_grad, argnums=(0, 1, 2, 3, 4))
+    chex.assert_trees_all_equal(jax.jit(grad(sharded))(*placed), jax.jit(grad(loss))(*args))
+
+
+def _num_gpus() -> int:
+    try:
+        return len(jax.devices("gpu"))
+    except RuntimeError:
+        return 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_num_gpus() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("exchange", ["ragged_all_to_all", "ring"])
+def test_gpu_two_devices_equal_one(exchange):
+    """Real GPUs, real size, the Mosaic GPU kernels: EP = 2 against one GPU, y and dx the same
+    bits, the rest to the bf16 tolerance; against 'xla' on EP = 2 to tolerance; the same bits
+    on a second run."""
+    cfg = with_impl(mok_jax.presets["qwen3_30b_a3b"], "pallas", exchange=exchange)
+    x, params, cotangent = random_inputs(cfg, 4096, seed=12)
+    one = make_mesh("expert", devices=jax.devices("gpu")[:1])
+    two = make_mesh("expert", devices=jax.devices("gpu")[:2])
+    (_, (y1, aux1)), (dx1, dp1) = value_and_grads(x, params, cotangent, cfg, one)
+    first = value_and_grads(x, params, cotangent, cfg, two)
+    chex.assert_trees_all_equal(first, value_and_grads_fn()(x, params, cotangent, cfg, two))
+    (_, (y, aux)), (dx, dp) = first
+    chex.assert_trees_all_equal(y, y1)
+    chex.assert_trees_all_equal(dx, dx1)
+    assert_aux_equal(aux, aux1)
+    assert_close(dp, dp1, cfg.dtype)
+    xla = with_impl(cfg, "xla")
+    (_, (y_x, aux_x)), grads_x = value_and_grads(x, params, cotangent, xla, two)
+    assert_close(y, y_x, cfg.dtype)
+    assert_aux_equal(aux, aux_x)
+    assert_close((dx, dp), grads_x, cfg.dtype)
