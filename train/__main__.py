@@ -171,9 +171,16 @@ def _distributed(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
 
 
 def _configs(args: argparse.Namespace):
+    """The model and train configs of the preset with the flags' changes. `--devices` counts
+    one process's devices: the run uses that many times the number of processes."""
     import dataclasses
 
     preset = PRESETS[args.preset]
+    processes = args.num_processes or 1
+    if args.distributed:  # the count comes from jax.distributed's auto-detection
+        import jax
+
+        processes = jax.process_count()
     changes = {
         "steps": args.steps,
         "schedule_steps": args.schedule_steps,
@@ -183,7 +190,7 @@ def _configs(args: argparse.Namespace):
         "seq_len": args.seq_len,
         "data": args.data,
         "workdir": args.workdir,
-        "devices": None if args.devices is None else args.devices * (args.num_processes or 1),
+        "devices": None if args.devices is None else args.devices * processes,
         "implementation": args.implementation,
         "seed": args.seed,
         "eval_every": args.eval_every,

@@ -214,3 +214,22 @@ def test_device_count_keeps_other_xla_flags(monkeypatch, before, devices, after)
     monkeypatch.setenv("XLA_FLAGS", before)
     _set_devices(devices, _train_parser())
     assert os.environ["XLA_FLAGS"] == after
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--distributed"],  # the process count comes from jax.distributed's auto-detection
+        ["--num-processes", "2", "--process-id", "1", "--coordinator", "localhost:1"],
+    ],
+)
+def test_devices_counts_one_process(monkeypatch, flags):
+    """--devices 4 on each of 2 processes is a run on all 8 devices, not on the first 4 (which
+    are process 0's alone)."""
+    import jax
+
+    from train.__main__ import _configs, _train_parser
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    _, train_cfg = _configs(_train_parser().parse_args([*flags, "--devices", "4"]))
+    assert train_cfg.devices == 8
