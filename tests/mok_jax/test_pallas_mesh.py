@@ -103,12 +103,10 @@ class PallasMeshTest(parameterized.TestCase):
         assert_close((dx, dp), grads_x, cfg.dtype)
 
     def test_two_devices_equal_one(self):
+        """EP 2, then 2 devices on the data axis (the weights' gradients summed over it): one
+        test, so that the one-device run is computed once."""
         with gpu_interpret_on_several_devices():
             self.assert_pallas_mesh_matches(QWEN3, mesh_of("expert", 2))
-
-    def test_data_axis(self):
-        """Two devices on the data axis: the weights' gradients summed over it."""
-        with gpu_interpret_on_several_devices():
             self.assert_pallas_mesh_matches(QWEN3, mesh_of("data_expert", 2, data=2))
 
     def test_reference_still_refuses_a_mesh(self):
