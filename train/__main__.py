@@ -249,20 +249,25 @@ def main_train(argv: Sequence[str]) -> int:
     import jax
 
     if jax.process_index() == 0:
-        first = summary.losses[0] if summary.losses else None
-        rate = f"{summary.tokens_per_s:,.0f}" if summary.tokens_per_s else "n/a"
-        eval_text = (
-            f"{summary.final_eval_loss:.4f}" if summary.final_eval_loss is not None else "n/a"
-        )
-        print(
-            f"done: steps {summary.start_step} -> {summary.steps}, loss "
-            f"{first if first is None else f'{first:.4f}'} -> "
-            f"{summary.final_loss if summary.final_loss is None else f'{summary.final_loss:.4f}'}"
-            f", eval loss {eval_text}, {rate} tokens/s, {summary.time_s:.1f} s; "
-            f"outputs in {summary.workdir}"
-        )
+        print(_done_line(summary))
         print(loop.summary_json(summary))
     return 0
+
+
+def _done_line(summary) -> str:
+    """The run's closing line (`summary`: a `train.loop.Summary`)."""
+    if not summary.losses:
+        return (
+            f"done: nothing to train, the run is at step {summary.steps} already; outputs in "
+            f"{summary.workdir}"
+        )
+    rate = f"{summary.tokens_per_s:,.0f}" if summary.tokens_per_s else "n/a"
+    eval_text = f"{summary.final_eval_loss:.4f}" if summary.final_eval_loss is not None else "n/a"
+    return (
+        f"done: steps {summary.start_step} -> {summary.steps}, loss {summary.losses[0]:.4f} -> "
+        f"{summary.final_loss:.4f}, eval loss {eval_text}, {rate} tokens/s, "
+        f"{summary.time_s:.1f} s; outputs in {summary.workdir}"
+    )
 
 
 def main_sample(argv: Sequence[str]) -> int:

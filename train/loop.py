@@ -126,12 +126,6 @@ def _check_same_model(workdir: pathlib.Path, model_cfg: ModelConfig) -> None:
         )
 
 
-def _run_config(model_cfg: ModelConfig, train_cfg: TrainConfig) -> ModelConfig:
-    """The model config as the run uses it (the MoE implementation from the train config)."""
-    moe = dataclasses.replace(model_cfg.moe, implementation=train_cfg.implementation)
-    return dataclasses.replace(model_cfg, moe=moe)
-
-
 class _Run:
     """The mutable parts of one call of `train`."""
 
@@ -245,7 +239,8 @@ def train(
       TrainingDiverged: the loss or gradient norm was NaN or Inf at some step; nothing is saved
         from that step on, so the latest checkpoint is the last good one.
       WorkdirInUse: a fresh run over another run's checkpoints (without resume or overwrite).
-      data.DataError, ValueError: bad data or configs that do not fit the mesh.
+      data.DataError, ValueError: bad data, configs that do not fit the mesh, or a resumed run
+        whose latest checkpoint is past `train_cfg.steps`.
     """
     started = time.perf_counter()
     workdir = pathlib.Path(train_cfg.workdir)
@@ -257,6 +252,12 @@ def train(
     trainer = run.trainer
     checkpoints = Checkpoints(workdir)
     latest = checkpoints.latest_step() if resume else None
+    if latest is not None and latest > train_cfg.steps:
+        checkpoints.close()
+        raise ValueError(
+            f"--resume: the run in {workdir} is at step {latest}, past steps={train_cfg.steps}: "
+            "ask for more steps"
+        )
     if latest is not None:
         _check_same_model(workdir, trainer.model_cfg)
         state = checkpoints.restore(trainer, latest)

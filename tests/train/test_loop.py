@@ -94,6 +94,19 @@ def test_fresh_run_refuses_a_used_workdir(tmp_path):
         train(other, micro_train(tmp_path, steps=2), resume=True, progress=False, sample=False)
 
 
+def test_resume_past_steps_is_refused_and_at_steps_trains_nothing(tmp_path):
+    from train.__main__ import _done_line
+
+    _run(tmp_path, steps=2)
+    config = (tmp_path / "config.json").read_text()
+    with pytest.raises(ValueError, match=r"is at step 2, past steps=1: ask for more steps"):
+        _run(tmp_path, steps=1, resume=True)
+    assert (tmp_path / "config.json").read_text() == config
+    _, again = _run(tmp_path, steps=2, resume=True)
+    assert again.start_step == again.steps == 2 and again.losses == []
+    assert _done_line(again).startswith("done: nothing to train, the run is at step 2 already")
+
+
 def test_check_determinism(tmp_path):
     report = check_determinism(MICRO_MODEL, micro_train(tmp_path, steps=3))
     assert report.equal, report
