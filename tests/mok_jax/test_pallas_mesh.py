@@ -1,7 +1,7 @@
 """implementation="pallas" under a mesh: the Mosaic GPU grouped GEMMs inside `jax.shard_map`.
 
 On CPU the kernels run in GPU interpret mode (small shapes, few cases: it is slow) on 1 and 2
-devices, with the ragged exchange only (one of five ring runs on 2 interpreted devices hit a
+devices, with the ragged exchange only (one of six ring runs on 2 interpreted devices hit a
 KeyError in the interpreter's buffer bookkeeping, another cross-device race of jax 0.11.2's
 interpreter), and the forward+backward is lowered for CUDA on larger meshes. y and dx are the
 same bits as 'pallas' on one device: a row's result does not depend on the tile count (every
