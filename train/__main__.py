@@ -42,7 +42,9 @@ def _train_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "--preset", default="tiny", choices=sorted(PRESETS), help="model + run (default tiny)"
+        "--preset",
+        choices=sorted(PRESETS),
+        help="model + run (default tiny; with --resume, the resumed run's saved settings)",
     )
     p.add_argument("--steps", type=int, help="train up to this step (default: the preset's)")
     p.add_argument(
@@ -172,10 +174,21 @@ def _distributed(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
 
 def _configs(args: argparse.Namespace):
     """The model and train configs of the preset with the flags' changes. `--devices` counts
-    one process's devices: the run uses that many times the number of processes."""
-    import dataclasses
+    one process's devices: the run uses that many times the number of processes.
 
-    preset = PRESETS[args.preset]
+    With --resume and no --preset, the base is the settings the resumed run saved in its
+    config.json (so `--steps m --resume` continues the same run: schedule, seed, data and batch
+    included), and only the flags given change them."""
+    import dataclasses
+    import pathlib
+
+    from train.checkpoint import CONFIG_FILE, read_run_configs
+
+    preset = PRESETS[args.preset or "tiny"]
+    model_base, train_base = preset.model, preset.train
+    workdir = pathlib.Path(args.workdir or preset.train.workdir)
+    if args.resume and args.preset is None and (workdir / CONFIG_FILE).is_file():
+        model_base, train_base = read_run_configs(workdir)
     processes = args.num_processes or 1
     if args.distributed:  # the count comes from jax.distributed's auto-detection
         import jax
@@ -200,8 +213,8 @@ def _configs(args: argparse.Namespace):
         "data_parallel": args.data_parallel,
     }
     changes = {k: v for k, v in changes.items() if v is not None}
-    train_cfg = dataclasses.replace(preset.train, **changes)
-    model_cfg = preset.model
+    train_cfg = dataclasses.replace(train_base, **changes)
+    model_cfg = model_base
     if train_cfg.seq_len > model_cfg.max_seq_len:
         model_cfg = dataclasses.replace(model_cfg, max_seq_len=train_cfg.seq_len)
     return model_cfg, train_cfg

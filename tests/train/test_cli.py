@@ -233,3 +233,26 @@ def test_devices_counts_one_process(monkeypatch, flags):
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     _, train_cfg = _configs(_train_parser().parse_args([*flags, "--devices", "4"]))
     assert train_cfg.devices == 8
+
+
+def test_resume_continues_the_saved_settings(tmp_path):
+    """--resume without --preset starts from the run's config.json; flags given still win."""
+    import dataclasses
+
+    from train.__main__ import _configs, _train_parser
+    from train.checkpoint import write_config
+    from train.config import PRESETS
+
+    preset = PRESETS["tiny"]
+    saved = dataclasses.replace(
+        preset.train, schedule_steps=50, warmup_steps=5, peak_lr=1e-3, seed=3, workdir=str(tmp_path)
+    )
+    write_config(tmp_path, preset.model, {"train": dataclasses.asdict(saved)})
+    parse = _train_parser().parse_args
+    _, train_cfg = _configs(parse(["--workdir", str(tmp_path), "--steps", "9", "--resume"]))
+    assert train_cfg == dataclasses.replace(saved, steps=9)
+    _, train_cfg = _configs(parse(["--workdir", str(tmp_path), "--resume", "--seed", "4"]))
+    assert (train_cfg.seed, train_cfg.schedule_steps) == (4, 50)
+    # A preset named explicitly is the base, as without --resume.
+    _, train_cfg = _configs(parse(["--workdir", str(tmp_path), "--resume", "--preset", "tiny"]))
+    assert train_cfg.schedule_steps == preset.train.schedule_steps
