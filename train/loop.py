@@ -191,6 +191,7 @@ class _Run:
             "expert_load": shares,
             "load_max_over_mean": max_over_mean,
             "dropped": int(metrics["dropped"]),
+            "rounds": [int(r) for r in np.asarray(metrics["rounds"])],
             "time_s": time_s,
         }
 

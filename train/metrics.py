@@ -8,6 +8,7 @@ writes these keys (the plots read them):
   expert_load            [L][E] floats: each expert's share of the routed rows, per MoE layer
   load_max_over_mean     [L] floats: max over mean of the expert load, per MoE layer
   dropped                int, rows dropped by a capacity factor
+  rounds                 [L] ints: exchange rounds per MoE layer (1 when the buffers held all)
   eval_loss              on evaluation steps only
 
 Outputs under the run's folder:

@@ -56,6 +56,7 @@ def test_smoke_run_and_sample(tmp_path):
         "mfu",
         "expert_load",
         "load_max_over_mean",
+        "rounds",
         "dropped",
         "time_s",
     }
@@ -63,6 +64,7 @@ def test_smoke_run_and_sample(tmp_path):
     assert records[0]["mfu"] is None  # no peak FLOP/s for CPUs
     assert [("eval_loss" in r) for r in records] == [False, True, True]
     assert len(records[0]["expert_load"]) == 2 and len(records[0]["expert_load"][0]) == 8
+    assert all(r >= 1 for r in records[0]["rounds"]) and len(records[0]["rounds"]) == 2
     np.testing.assert_allclose(np.sum(records[0]["expert_load"], axis=1), 1.0, rtol=1e-6)
     assert (workdir / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (workdir / "samples.txt").read_text().startswith("--- prompt")
