@@ -73,7 +73,8 @@ def compute_dtype(dtype: typing.Any) -> np.dtype:
     return dt
 
 
-def _check_int(name: str, value: typing.Any, *, minimum: int) -> int:
+def check_int(name: str, value: typing.Any, *, minimum: int) -> int:
+    """`value` as an int >= minimum, else a ValueError naming it (bools are not ints)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ValueError(f"{name}={value!r} must be an int")
     if value < minimum:
@@ -154,10 +155,10 @@ class MoEConfig:
             object.__setattr__(self, name, value)
 
         for name in ("d_model", "d_ff", "num_experts", "top_k"):
-            put(name, _check_int(name, getattr(self, name), minimum=1))
+            put(name, check_int(name, getattr(self, name), minimum=1))
         put(
             "num_shared_experts",
-            _check_int("num_shared_experts", self.num_shared_experts, minimum=0),
+            check_int("num_shared_experts", self.num_shared_experts, minimum=0),
         )
         put("routed_scaling", _check_float("routed_scaling", self.routed_scaling, positive=True))
         put("aux_loss_coef", _check_float("aux_loss_coef", self.aux_loss_coef, positive=False))
@@ -178,7 +179,7 @@ class MoEConfig:
         if self.exchange not in EXCHANGES:
             raise ValueError(f"exchange={self.exchange!r} must be one of {EXCHANGES}")
         put("buffer_factor", _check_float("buffer_factor", self.buffer_factor, positive=True))
-        put("row_tile", _check_int("row_tile", self.row_tile, minimum=8))
+        put("row_tile", check_int("row_tile", self.row_tile, minimum=8))
         if self.row_tile % 8:
             raise ValueError(f"row_tile={self.row_tile} must be a multiple of 8")
         put("dtype", compute_dtype(self.dtype))
@@ -212,8 +213,8 @@ class MoEConfig:
             )
         if num_groups is None:
             return
-        num_groups = _check_int("num_groups", num_groups, minimum=1)
-        topk_groups = _check_int("topk_groups", topk_groups, minimum=1)
+        num_groups = check_int("num_groups", num_groups, minimum=1)
+        topk_groups = check_int("topk_groups", topk_groups, minimum=1)
         object.__setattr__(self, "num_groups", num_groups)
         object.__setattr__(self, "topk_groups", topk_groups)
         if num_experts % num_groups:
@@ -270,10 +271,10 @@ def scale_down(
       (32, 8, 8, 4)
     """
     for name, value in (("d_model", d_model), ("d_ff", d_ff)):
-        _check_int(name, value, minimum=64)
+        check_int(name, value, minimum=64)
         if value % 64:
             raise ValueError(f"{name}={value} must be a multiple of 64")
-    _check_int("max_experts", max_experts, minimum=1)
+    check_int("max_experts", max_experts, minimum=1)
     num_experts = min(cfg.num_experts, max_experts)
     if cfg.num_groups is not None:
         num_experts = max(2 * cfg.num_groups, num_experts - num_experts % cfg.num_groups)

@@ -16,18 +16,16 @@ from typing import Literal
 
 import jax.numpy as jnp
 
-from mok_jax.config import IMPLEMENTATIONS, Implementation, MoEConfig, canonical_dtype
+from mok_jax.config import (
+    IMPLEMENTATIONS,
+    Implementation,
+    MoEConfig,
+    canonical_dtype,
+    check_int,
+)
 
 MeshLayout = Literal["expert", "data_expert"]
 MESH_LAYOUTS: tuple[str, ...] = typing.get_args(MeshLayout)
-
-
-def _int(name: str, value: typing.Any, *, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name}={value!r} must be an int")
-    if value < minimum:
-        raise ValueError(f"{name}={value!r} must be >= {minimum}")
-    return int(value)
 
 
 def _float(name: str, value: typing.Any, *, low: float, high: float = math.inf) -> float:
@@ -74,13 +72,15 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "moe_every"):
-            object.__setattr__(self, name, _int(name, getattr(self, name), minimum=1))
-        head_dim = _int("head_dim", self.head_dim, minimum=2)
+            object.__setattr__(self, name, check_int(name, getattr(self, name), minimum=1))
+        head_dim = check_int("head_dim", self.head_dim, minimum=2)
         if head_dim % 2:
             raise ValueError(f"{head_dim=} must be even (rotary embeddings rotate pairs)")
         object.__setattr__(self, "head_dim", head_dim)
         if self.dense_d_ff is not None:
-            object.__setattr__(self, "dense_d_ff", _int("dense_d_ff", self.dense_d_ff, minimum=1))
+            object.__setattr__(
+                self, "dense_d_ff", check_int("dense_d_ff", self.dense_d_ff, minimum=1)
+            )
         object.__setattr__(self, "rope_theta", _float("rope_theta", self.rope_theta, low=1.0))
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
         if not isinstance(self.moe, MoEConfig):
@@ -172,9 +172,9 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for name in ("steps", "schedule_steps", "batch_size", "seq_len", "eval_batches"):
-            object.__setattr__(self, name, _int(name, getattr(self, name), minimum=1))
+            object.__setattr__(self, name, check_int(name, getattr(self, name), minimum=1))
         for name in ("warmup_steps", "eval_every", "save_every", "seed"):
-            object.__setattr__(self, name, _int(name, getattr(self, name), minimum=0))
+            object.__setattr__(self, name, check_int(name, getattr(self, name), minimum=0))
         if self.warmup_steps >= self.schedule_steps:
             raise ValueError(
                 f"warmup_steps={self.warmup_steps} must be < schedule_steps={self.schedule_steps}"
@@ -195,11 +195,11 @@ class TrainConfig:
                 f"implementation={self.implementation!r} must be one of {IMPLEMENTATIONS}"
             )
         if self.devices is not None:
-            object.__setattr__(self, "devices", _int("devices", self.devices, minimum=1))
+            object.__setattr__(self, "devices", check_int("devices", self.devices, minimum=1))
         if self.layout not in MESH_LAYOUTS:
             raise ValueError(f"layout={self.layout!r} must be one of {MESH_LAYOUTS}")
         if self.data_parallel is not None:
-            dp = _int("data_parallel", self.data_parallel, minimum=1)
+            dp = check_int("data_parallel", self.data_parallel, minimum=1)
             object.__setattr__(self, "data_parallel", dp)
             if self.layout != "data_expert":
                 raise ValueError(f"data_parallel={dp} needs layout='data_expert'")

@@ -26,6 +26,8 @@ import typing
 
 import numpy as np
 
+from mok_jax.config import check_int
+
 VOCAB_SIZE = 256
 
 # The default cap of `load_bytes`: 32 MiB bounds memory and start-up time; "stdlib" is 9.4 MiB
@@ -74,14 +76,6 @@ _SNIFF_BYTES = 8192
 
 class DataError(ValueError):
     """Bad training data: a missing or empty path, no readable text, too little data."""
-
-
-def _check_int(name: str, value: typing.Any, *, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name}={value!r} must be an int")
-    if value < minimum:
-        raise ValueError(f"{name}={value!r} must be >= {minimum}")
-    return int(value)
 
 
 def _header(relative: str) -> bytes:
@@ -168,7 +162,7 @@ def synthetic_bytes(num_bytes: int = SYNTHETIC_BYTES) -> np.ndarray:
     Returns:
       uint8 [num_bytes], the same bytes on every machine (pure-Python SplitMix64, seed 0).
     """
-    num_bytes = _check_int("num_bytes", num_bytes, minimum=1)
+    num_bytes = check_int("num_bytes", num_bytes, minimum=1)
     state = 0
 
     def draw(n: int) -> int:
@@ -242,7 +236,7 @@ def load_bytes(source: str, *, max_bytes: int = DEFAULT_MAX_BYTES) -> np.ndarray
       >>> data.dtype, bytes(data[:4]).isascii()
       (dtype('uint8'), True)
     """
-    max_bytes = _check_int("max_bytes", max_bytes, minimum=1)
+    max_bytes = check_int("max_bytes", max_bytes, minimum=1)
     if source == "stdlib":
         return _join(stdlib_files(), max_bytes)
     if source == "synthetic":
@@ -299,7 +293,7 @@ def split(
         or not 0.0 < eval_fraction < 1.0
     ):
         raise ValueError(f"{eval_fraction=} must be a number in (0, 1)")
-    window = 2 if seq_len is None else _check_int("seq_len", seq_len, minimum=1) + 1
+    window = 2 if seq_len is None else check_int("seq_len", seq_len, minimum=1) + 1
     n = data.shape[0]
     num_eval = round(n * float(eval_fraction))
     num_train = n - num_eval
@@ -315,10 +309,10 @@ def _check_batch(
     data: np.ndarray, *, batch_size: int, seq_len: int, process_index: int, process_count: int
 ) -> int:
     """Validates the batch arguments; returns b, the rows of one process."""
-    batch_size = _check_int("batch_size", batch_size, minimum=1)
-    seq_len = _check_int("seq_len", seq_len, minimum=1)
-    process_count = _check_int("process_count", process_count, minimum=1)
-    process_index = _check_int("process_index", process_index, minimum=0)
+    batch_size = check_int("batch_size", batch_size, minimum=1)
+    seq_len = check_int("seq_len", seq_len, minimum=1)
+    process_count = check_int("process_count", process_count, minimum=1)
+    process_index = check_int("process_index", process_index, minimum=0)
     if process_index >= process_count:
         raise ValueError(f"{process_index=} must be < {process_count=}")
     if batch_size % process_count:
@@ -337,11 +331,11 @@ def window_offsets(
 
     Drawn with `np.random.default_rng((seed, step))`, so a pure function of its arguments.
     """
-    num_bytes = _check_int("num_bytes", num_bytes, minimum=2)
-    step = _check_int("step", step, minimum=0)
-    seed = _check_int("seed", seed, minimum=0)
-    batch_size = _check_int("batch_size", batch_size, minimum=1)
-    seq_len = _check_int("seq_len", seq_len, minimum=1)
+    num_bytes = check_int("num_bytes", num_bytes, minimum=2)
+    step = check_int("step", step, minimum=0)
+    seed = check_int("seed", seed, minimum=0)
+    batch_size = check_int("batch_size", batch_size, minimum=1)
+    seq_len = check_int("seq_len", seq_len, minimum=1)
     if num_bytes < seq_len + 1:
         raise DataError(f"{num_bytes} bytes cannot hold one window of {seq_len + 1} bytes")
     rng = np.random.default_rng((seed, step))
@@ -420,7 +414,7 @@ def eval_batches(
         process_index=process_index,
         process_count=process_count,
     )
-    num_batches = _check_int("num_batches", num_batches, minimum=1)
+    num_batches = check_int("num_batches", num_batches, minimum=1)
     num_windows = num_batches * batch_size
     last_start = data.shape[0] - seq_len - 1
     offsets = np.arange(num_windows, dtype=np.int64) * last_start // max(num_windows - 1, 1)

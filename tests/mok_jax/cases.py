@@ -87,3 +87,11 @@ def assert_aux_equal(actual: MoEAux, expected: MoEAux) -> None:
 
 def with_impl(cfg: MoEConfig, implementation: str, **changes) -> MoEConfig:
     return dataclasses.replace(cfg, implementation=implementation, **changes)
+
+
+def num_gpus() -> int:
+    """How many CUDA GPUs jax sees (0 on a CPU machine)."""
+    try:
+        return len(jax.devices("gpu"))
+    except RuntimeError:
+        return 0

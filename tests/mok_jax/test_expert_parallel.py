@@ -21,7 +21,13 @@ from jax.sharding import PartitionSpec
 import mok_jax
 from mok_jax import MoEConfig, compiler_options, make_mesh
 from mok_jax.mesh import ShardingRules
-from tests.mok_jax.cases import SCALED_PRESETS, assert_aux_equal, assert_close, random_inputs
+from tests.mok_jax.cases import (
+    SCALED_PRESETS,
+    assert_aux_equal,
+    assert_close,
+    num_gpus,
+    random_inputs,
+)
 from tests.mok_jax.test_layer import scatter_combiners
 
 # f32 on CPU, small tiles: the layer's own numerics, fast to compile.
@@ -286,15 +292,8 @@ def test_rack_layouts_on_72_devices():
         assert int(rounds) >= 1, line
 
 
-def _num_gpus() -> int:
-    try:
-        return len(jax.devices("gpu"))
-    except RuntimeError:
-        return 0
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(_num_gpus() < 2, reason="needs 2 GPUs")
+@pytest.mark.skipif(num_gpus() < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("exchange", ["ragged_all_to_all", "ring"])
 def test_gpu_two_devices_equal_one(exchange):
     """Real GPUs, real size: EP = 2 against one GPU. y and dx the same bits, the rest to the

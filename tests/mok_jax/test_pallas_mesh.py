@@ -29,7 +29,13 @@ from jax.sharding import PartitionSpec as P
 import mok_jax
 from mok_jax import make_mesh
 from pallas_kernels.grouped_matmul import ops
-from tests.mok_jax.cases import SCALED_PRESETS, assert_aux_equal, assert_close, random_inputs
+from tests.mok_jax.cases import (
+    SCALED_PRESETS,
+    assert_aux_equal,
+    assert_close,
+    num_gpus,
+    random_inputs,
+)
 from tests.mok_jax.test_expert_parallel import lowered_for_cuda, value_and_grads, value_and_grads_fn
 
 # Small enough for interpret mode: 8 experts, top-2, 8-row tiles (D = F = 64).
@@ -180,15 +186,8 @@ def test_ops_inside_shard_map():
     chex.assert_trees_all_equal(jax.jit(grad(sharded))(*placed), jax.jit(grad(loss))(*args))
 
 
-def _num_gpus() -> int:
-    try:
-        return len(jax.devices("gpu"))
-    except RuntimeError:
-        return 0
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(_num_gpus() < 2, reason="needs 2 GPUs")
+@pytest.mark.skipif(num_gpus() < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("exchange", ["ragged_all_to_all", "ring"])
 def test_gpu_two_devices_equal_one(exchange):
     """Real GPUs, real size, the Mosaic GPU kernels: EP = 2 against one GPU, y and dx the same
