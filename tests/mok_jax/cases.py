@@ -85,6 +85,27 @@ def assert_aux_equal(actual: MoEAux, expected: MoEAux) -> None:
     )
 
 
+def assert_same_rows(result, base, dtype) -> None:
+    """Two ((loss, (y, aux)), (dx, dparams)) results of one batch on different meshes: y and dx
+    the same bits, the counts exactly, the parameter gradients (sums over devices) to the
+    tolerance of `dtype`."""
+    (_, (y, aux)), (dx, dp) = result
+    (_, (y1, aux1)), (dx1, dp1) = base
+    chex.assert_trees_all_equal(y, y1)
+    chex.assert_trees_all_equal(dx, dx1)
+    assert_aux_equal(aux, aux1)
+    assert_close(dp, dp1, dtype)
+
+
+def assert_close_results(result, expected, dtype) -> None:
+    """Two ((loss, (y, aux)), (dx, dparams)) results to the tolerance of `dtype`, counts
+    exactly."""
+    (_, (y, aux)), grads = result
+    (_, (y_e, aux_e)), grads_e = expected
+    assert_close((y, grads), (y_e, grads_e), dtype)
+    assert_aux_equal(aux, aux_e)
+
+
 def with_impl(cfg: MoEConfig, implementation: str, **changes) -> MoEConfig:
     return dataclasses.replace(cfg, implementation=implementation, **changes)
 
