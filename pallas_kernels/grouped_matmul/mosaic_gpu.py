@@ -6,11 +6,14 @@
   gmm_swiglu  h[m] = silu(lhs[m] @ w_gate[g]) * (lhs[m] @ w_up[g])   -> [M, F]
 
 One persistent kernel per call: `grid_size` programs (one per streaming multiprocessor) walk a
-list of output tiles. A program has one producer warpgroup issuing TMA loads of [block_m,
-block_k] lhs and [block_k, block_n] rhs tiles into a ring of shared-memory stages, and one or two
-consumer warpgroups issuing wgmma on them into f32 register accumulators, each owning
-block_n // num_consumers columns of the tile; the epilogue (SwiGLU, row scale, cast) runs on the
-accumulators and TMA-stores through shared memory.
+list of output tiles. A program has one producer warpgroup and one or two consumer warpgroups
+that share a ring of `max_concurrent_steps` shared-memory stages. The producer TMA-loads the
+[block_m, block_k] lhs and [block_k, block_n] rhs tiles of every K step of every tile of its
+program, in order, and runs ahead of the consumers by up to a full ring, across tile
+boundaries: the next tile's first stages load while the consumers finish the current one and
+run its epilogue. The consumers issue wgmma into f32 register accumulators, each owning
+block_n // num_consumers columns of the tile; the epilogue (SwiGLU, row scale, cast) runs on
+the accumulators and TMA-stores through shared memory.
 
 Invariants (numbered; the tests check each):
   1. Row tiles start at their group's first row rounded down to a multiple of 8 (TMA into
@@ -30,13 +33,16 @@ Invariants (numbered; the tests check each):
      one f32 accumulator. No split-K, no atomics.
   4. Rows the tile loads beyond its group (the next group's rows, or zeros past M that TMA
      fills in) are computed and never stored; they do not touch the group's rows.
-  5. A stage is refilled only after every consumer finished the wgmma that read it, across
-     tiles too. Within a tile the pipeline's consumed barriers ensure it; with delay_release=1
-     they release step s only at step s + 1, so a tile's last step is never released and the
-     producer would start the next tile's loads (into that stage, and with K = block_k with no
-     wait at all, running tiles ahead of the consumers) too early. So the consumers arrive on
-     a `tile_done` barrier once their accumulators are final, and the producer waits on it
-     before the next tile (test_default_configs_survive_single_k_step_tiles).
+  5. A stage is refilled only after every consumer released it, and a consumer releases a
+     stage only after the wgmmas that read it completed: with delay_release=1 step s's stage
+     is released at step s + 1 (after wgmma_wait(1)) and a tile's last stage after its final
+     wgmma_wait(0); with delay_release=0 each stage right after wgmma_wait(0). The producer
+     waits on a stage's `consumed` barrier before every reuse (test_no_races_between_warpgroups
+     under the interpreter's race detector and barrier checks).
+  6. The producer and the consumers walk the same tiles in the same order and count the same
+     K steps (a carry of the tile loop), so step n always uses stage n % max_concurrent_steps
+     and every barrier's phases are waited in order, each exactly once by each waiter. Tiles
+     that run no K loop (rows of no group, unused schedule entries) load nothing.
 """
 
 from __future__ import annotations
@@ -130,6 +136,13 @@ def _store_rows(src_smem, dst_gmem, lo, hi):
         power //= 2
 
 
+def _consumer_registers(num_consumers: int) -> int:
+    """Registers per thread of a consumer warpgroup: the 64K-register file less the producer's,
+    split between the consumers, at most 256, a multiple of 8 (setmaxnreg's rules)."""
+    per_thread = min(256, (512 - _PRODUCER_REGISTERS) // num_consumers)
+    return per_thread // 8 * 8
+
+
 def _kernel(
     group_t_ref,
     row0_t_ref,
@@ -150,130 +163,169 @@ def _kernel(
     out_ref = refs[-1]
     block_m, block_n, block_k = config.block_m, config.block_n, config.block_k
     consumer_n = config.consumer_n
+    num_consumers = config.num_consumers
+    stages = config.max_concurrent_steps
+    delay = config.delay_release
     epi_m, epi_n = config.epilogue_tile
     k_steps = lhs_ref.shape[1] // block_k
     num_tiles_n = out_ref.shape[1] // block_n
     out_dtype = out_ref.dtype
-    transforms = _swizzled(lhs_ref.dtype.itemsize)
+    in_dtype = lhs_ref.dtype
+    transforms = _swizzled(in_dtype.itemsize)
+    rhs_block = (block_n, block_k) if transpose_rhs else (block_k, block_n)
 
-    lhs_spec = plgpu.BlockSpec(
-        (block_m, block_k),
-        lambda k: (0, k),
-        transforms=transforms,
-        delay_release=config.delay_release,
-    )
-    if transpose_rhs:
-        rhs_spec = plgpu.BlockSpec(
-            (block_n, block_k),
-            lambda k: (0, k),
-            transforms=transforms,
-            delay_release=config.delay_release,
+    def tile_at(lin):
+        """Output tile `lin` of the grid order: (column tile, group, first row, [lo, hi) the
+        rows of the tile it stores, whether it runs the K loop)."""
+        mi, ni = plgpu.planar_snake(
+            lin,
+            (num_tiles_m, num_tiles_n),
+            0 if config.grid_minor_dim == "m" else 1,
+            config.grid_tile_width,
         )
-    else:
-        rhs_spec = plgpu.BlockSpec(
-            (block_k, block_n),
-            lambda k: (k, 0),
-            transforms=transforms,
-            delay_release=config.delay_release,
-        )
-
-    def mma_step(_, lhs_smem, *rest):
-        rhs_smems, accs = rest[:num_rhs], rest[num_rhs]
-        wg = lax.axis_index("wg")
-        cols = pl.ds(wg * consumer_n, consumer_n)
-        for acc, rhs_smem in zip(accs, rhs_smems, strict=True):
-            if transpose_rhs:
-                rhs_tile = rhs_smem.at[cols, :].transpose((1, 0))
-            else:
-                rhs_tile = rhs_smem.at[:, cols]
-            plgpu.wgmma(acc, lhs_smem, rhs_tile)
-        plgpu.wgmma_wait(config.delay_release)
-        return accs
-
-    def make_pipeline(compute_context):
-        return plgpu.emit_pipeline_warp_specialized(
-            mma_step,
-            grid=(k_steps,),
-            memory_registers=_PRODUCER_REGISTERS,
-            in_specs=[lhs_spec] + [rhs_spec] * num_rhs,
-            wg_axis="wg",
-            num_compute_wgs=config.num_consumers,
-            max_concurrent_steps=config.max_concurrent_steps,
-            compute_context=compute_context,
-        )
-
-    def ignore(*_, **__):
-        return None
+        group = group_t_ref[mi]
+        row0 = pl.multiple_of(row0_t_ref[mi], _ROW_ALIGN)
+        lo = jnp.clip(starts_x_ref[group] - row0, 0, block_m)
+        hi = jnp.clip(ends_x_ref[group] - row0, 0, block_m)
+        stores = hi > lo
+        return ni, group, row0, lo, hi, stores, stores & (group < num_groups)
 
     @functools.partial(
         pl.run_scoped,
-        pipeline_allocs=make_pipeline(ignore).get_allocations(lhs_ref, *rhs_refs),
-        out_smem=plgpu.SMEM((config.num_consumers, 2, epi_m, epi_n), out_dtype),
-        tile_done=plgpu.Barrier(num_arrivals=config.num_consumers),
+        lhs_smem=plgpu.SMEM((stages, block_m, block_k), in_dtype, transforms=transforms),
+        rhs_smems=[
+            plgpu.SMEM((stages, *rhs_block), in_dtype, transforms=transforms)
+            for _ in range(num_rhs)
+        ],
+        out_smem=plgpu.SMEM((num_consumers, 2, epi_m, epi_n), out_dtype),
+        loaded=plgpu.Barrier(num_arrivals=1 + num_rhs, num_barriers=stages),
+        consumed=plgpu.Barrier(num_arrivals=num_consumers, num_barriers=stages),
         collective_axes="wg",
     )
-    def _scope(pipeline_allocs, out_smem, tile_done):
+    def _scope(lhs_smem, rhs_smems, out_smem, loaded, consumed):
         wg = lax.axis_index("wg")
-        is_consumer = wg < config.num_consumers
 
-        def epilogue(out_f32, row0, lo, hi, ni):
-            """Consumer `wg` stores tile rows [lo, hi) of its [block_m, consumer_n] columns."""
-            out_cast = out_f32.astype(out_dtype)
-            # The previous tile's stores must have read out_smem before it is overwritten.
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            col0 = ni * block_n + wg * consumer_n
-            sub = 0
-            for mi in range(block_m // epi_m):
-                for nj in range(consumer_n // epi_n):
-                    slot = sub % 2
-                    sub += 1
-                    plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                    out_smem[wg, slot] = out_cast[
-                        mi * epi_m : (mi + 1) * epi_m, nj * epi_n : (nj + 1) * epi_n
-                    ]
-                    plgpu.commit_smem()
-                    dst = out_ref.at[
-                        pl.ds(row0 + mi * epi_m, epi_m), pl.ds(col0 + nj * epi_n, epi_n)
-                    ]
-                    _store_rows(
-                        out_smem.at[wg, slot],
-                        dst,
-                        jnp.clip(lo - mi * epi_m, 0, epi_m),
-                        jnp.clip(hi - mi * epi_m, 0, epi_m),
-                    )
-                    plgpu.commit_smem_to_gmem_group()
+        def tile_loop(body):
+            """This program's output tiles in grid order; the carry counts its K steps."""
+            return plgpu.nd_loop(
+                (num_tiles_m * num_tiles_n,), collective_axes="sm", init_carry=jnp.int32(0)
+            )(body)
 
-        @plgpu.nd_loop((num_tiles_m * num_tiles_n,), collective_axes="sm")
-        def _tile_loop(loop_info: plgpu.NDLoopInfo):
-            (lin,) = loop_info.index
-            mi, ni = plgpu.planar_snake(
-                lin,
-                (num_tiles_m, num_tiles_n),
-                0 if config.grid_minor_dim == "m" else 1,
-                config.grid_tile_width,
-            )
-            group = group_t_ref[mi]
-            row0 = pl.multiple_of(row0_t_ref[mi], _ROW_ALIGN)
-            lo = jnp.clip(starts_x_ref[group] - row0, 0, block_m)
-            hi = jnp.clip(ends_x_ref[group] - row0, 0, block_m)
-            count = hi - lo
+        # 1. The producer: every K step of every matmul tile of this program, in order, into
+        #    the ring of stages (invariants 5, 6). It runs ahead of the consumers by up to
+        #    `stages` steps, across tile boundaries.
+        @pl.when(wg == num_consumers)
+        def _producer():
+            plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
 
-            # (a) A tile of a group: the pipelined K loop, then the epilogue (invariants 1, 3, 4).
-            @pl.when((count > 0) & (group < num_groups))
-            def _matmul_tile():
-                lhs_rows = lhs_ref.at[pl.ds(row0, block_m), :]
-                if transpose_rhs:
-                    rhs_cols = [r.at[group, pl.ds(ni * block_n, block_n), :] for r in rhs_refs]
-                else:
-                    rhs_cols = [r.at[group, :, pl.ds(ni * block_n, block_n)] for r in rhs_refs]
+            @tile_loop
+            def num_steps(loop_info: plgpu.NDLoopInfo, carry):
+                step0 = carry
+                ni, group, row0, _, _, _, runs = tile_at(loop_info.index[0])
 
-                def compute_context(run_pipeline):
+                @pl.when(runs)
+                def _load_tile():
+                    @pl.loop(0, k_steps)
+                    def _load_step(k):
+                        step = step0 + k
+                        slot = lax.rem(step, stages)
+
+                        @pl.when(step >= stages)
+                        def _wait_for_the_stage():
+                            plgpu.barrier_wait(consumed.at[slot])
+
+                        ks = pl.ds(k * block_k, block_k)
+                        plgpu.copy_gmem_to_smem(
+                            lhs_ref.at[pl.ds(row0, block_m), ks], lhs_smem.at[slot], loaded.at[slot]
+                        )
+                        ns = pl.ds(ni * block_n, block_n)
+                        for rhs_ref, rhs_smem in zip(rhs_refs, rhs_smems, strict=True):
+                            src = (
+                                rhs_ref.at[group, ns, ks]
+                                if transpose_rhs
+                                else rhs_ref.at[group, ks, ns]
+                            )
+                            plgpu.copy_gmem_to_smem(src, rhs_smem.at[slot], loaded.at[slot])
+
+                return step0 + jnp.where(runs, k_steps, 0)
+
+            # Observe the releases of the last stages too, so that no barrier is left with a
+            # phase its waiter never saw (the GPU interpreter checks this).
+            @pl.loop(jnp.maximum(num_steps - stages, 0), num_steps)
+            def _drain(step):
+                plgpu.barrier_wait(consumed.at[lax.rem(step, stages)])
+
+        # 2. The consumers: wgmma over the K steps into f32 accumulators (invariant 3), each
+        #    warpgroup its own columns, then the epilogue.
+        @pl.when(wg < num_consumers)
+        def _consumers():
+            plgpu.set_max_registers(_consumer_registers(num_consumers), action="increase")
+            cols = pl.ds(wg * consumer_n, consumer_n)
+
+            def epilogue(out_f32, row0, lo, hi, ni):
+                """Stores tile rows [lo, hi) of this warpgroup's [block_m, consumer_n] columns."""
+                out_cast = out_f32.astype(out_dtype)
+                # The previous tile's stores must have read out_smem before it is overwritten.
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                col0 = ni * block_n + wg * consumer_n
+                sub = 0
+                for mi in range(block_m // epi_m):
+                    for nj in range(consumer_n // epi_n):
+                        slot = sub % 2
+                        sub += 1
+                        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                        out_smem[wg, slot] = out_cast[
+                            mi * epi_m : (mi + 1) * epi_m, nj * epi_n : (nj + 1) * epi_n
+                        ]
+                        plgpu.commit_smem()
+                        dst = out_ref.at[
+                            pl.ds(row0 + mi * epi_m, epi_m), pl.ds(col0 + nj * epi_n, epi_n)
+                        ]
+                        _store_rows(
+                            out_smem.at[wg, slot],
+                            dst,
+                            jnp.clip(lo - mi * epi_m, 0, epi_m),
+                            jnp.clip(hi - mi * epi_m, 0, epi_m),
+                        )
+                        plgpu.commit_smem_to_gmem_group()
+
+            @tile_loop
+            def _tiles(loop_info: plgpu.NDLoopInfo, carry):
+                step0 = carry
+                ni, group, row0, lo, hi, stores, runs = tile_at(loop_info.index[0])
+
+                # (a) A tile of a group: the K loop, then the epilogue (invariants 1, 3, 4, 5).
+                @pl.when(runs)
+                def _matmul_tile():
+                    def k_step(k, accs):
+                        step = step0 + k
+                        slot = lax.rem(step, stages)
+                        plgpu.barrier_wait(loaded.at[slot])
+                        for acc, rhs_smem in zip(accs, rhs_smems, strict=True):
+                            if transpose_rhs:
+                                rhs_tile = rhs_smem.at[slot].at[cols, :].transpose((1, 0))
+                            else:
+                                rhs_tile = rhs_smem.at[slot].at[:, cols]
+                            plgpu.wgmma(acc, lhs_smem.at[slot], rhs_tile)
+                        # Invariant 5: a stage is released once the wgmmas reading it are done.
+                        plgpu.wgmma_wait(delay)
+                        if delay:
+
+                            @pl.when(k > 0)
+                            def _release_the_previous_stage():
+                                plgpu.barrier_arrive(consumed.at[lax.rem(step - 1, stages)])
+
+                        else:
+                            plgpu.barrier_arrive(consumed.at[slot])
+                        return accs
+
                     def acc_scope(*accs):
-                        accs = run_pipeline(accs)
-                        # Reading the accumulators waits for every wgmma of the tile: no stage
-                        # is read any more, the producer may refill them (invariant 5).
+                        accs = lax.fori_loop(0, k_steps, k_step, accs)
+                        if delay:
+                            plgpu.wgmma_wait(0)
+                            last = lax.rem(step0 + k_steps - 1, stages)
+                            plgpu.barrier_arrive(consumed.at[last])
                         values = [acc[...] for acc in accs]
-                        plgpu.barrier_arrive(tile_done)
                         if swiglu:
                             gate, up = values
                             out_f32 = gate / (1.0 + jnp.exp(-gate)) * up
@@ -293,23 +345,17 @@ def _kernel(
                         *[plgpu.ACC((block_m, consumer_n), jnp.float32) for _ in range(num_rhs)],
                     )
 
-                make_pipeline(compute_context)(lhs_rows, *rhs_cols, allocations=pipeline_allocs)
+                # (b) Rows of no group: the consumers store zeros (invariant 2).
+                @pl.when(stores & (group == num_groups))
+                def _zero_tile():
+                    zeros = plgpu.layout_cast(
+                        jnp.zeros((block_m, consumer_n), jnp.float32), plgpu.Layout.WGMMA
+                    )
+                    epilogue(zeros, row0, lo, hi, ni)
 
-                # Invariant 5: the next tile's pipeline refills the stages only after every
-                # consumer finished this tile's wgmmas.
-                @pl.when(wg == config.num_consumers)
-                def _producer_waits_for_the_consumers():
-                    plgpu.barrier_wait(tile_done)
+                return step0 + jnp.where(runs, k_steps, 0)
 
-            # (b) Rows of no group: the consumers store zeros (invariant 2).
-            @pl.when((count > 0) & (group == num_groups) & is_consumer)
-            def _zero_tile():
-                zeros = plgpu.layout_cast(
-                    jnp.zeros((block_m, consumer_n), jnp.float32), plgpu.Layout.WGMMA
-                )
-                epilogue(zeros, row0, lo, hi, ni)
-
-        plgpu.wait_smem_to_gmem(0)
+            plgpu.wait_smem_to_gmem(0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -411,7 +457,10 @@ def _check_config(config: TileConfig, *, k: int, n: int, itemsize: int, out_item
         )
 
 
-def _interpret_params(interpret: bool):
+def _interpret_params(interpret: bool | plgpu.InterpretGPUParams):
+    """None (compile for the GPU), or the GPU interpreter's parameters (e.g. detect_races)."""
+    if isinstance(interpret, plgpu.InterpretGPUParams):
+        return interpret
     return plgpu.InterpretGPUParams() if interpret else None
 
 
@@ -425,7 +474,7 @@ def _grouped_call(
     out_dtype,
     config: TileConfig,
     swiglu: bool,
-    interpret: bool,
+    interpret: bool | plgpu.InterpretGPUParams,
 ) -> Array:
     num_rows = lhs_mk.shape[0]
     num_groups = rhs[0].shape[0]
@@ -479,7 +528,7 @@ def gmm(
     row_scale_m: Array | None = None,
     out_dtype=None,
     config: TileConfig | None = None,
-    interpret: bool = False,
+    interpret: bool | plgpu.InterpretGPUParams = False,
 ) -> Array:
     """[M, N]: each row of lhs [M, K] times its group's rhs [G, K, N] (rhs [G, N, K] transposed
     if `transpose_rhs`), optionally times `row_scale_m` (f32 [M]) in f32; rows past
@@ -540,7 +589,7 @@ def gmm_swiglu(
     group_sizes_g: Array,
     *,
     config: TileConfig | None = None,
-    interpret: bool = False,
+    interpret: bool | plgpu.InterpretGPUParams = False,
 ) -> Array:
     """[M, F] in lhs dtype: silu(lhs @ w_gate[g]) * (lhs @ w_up[g]) per row, both products in
     one kernel (two accumulators), SwiGLU in f32; rows past sum(group_sizes_g) are 0."""
