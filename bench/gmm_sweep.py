@@ -156,6 +156,31 @@ def candidates(product: str, shape: gg.Shape, *, smoke: bool = False) -> list[Tr
                     block_m=64,
                 )
     elif product == "wgrad":
+        # Tile orders first (the default's bands of 16 K tiles are not yet measured; tuning.py
+        # has the HBM-bytes model behind them). K tiles are tgmm's output rows ("m").
+        add(
+            "order_m32",
+            "bands of 32 K tiles (all of K at mixtral: K tiles fastest): the model's least HBM "
+            "traffic at mixtral (134 MB a group, the ideal) while a group's 16.8 MB lhs slice "
+            "stays in L2; 610 MB if under ~20 MiB of L2 is left for it",
+            grid_minor_dim="m",
+            grid_tile_width=32,
+        )
+        add(
+            "order_rows",
+            "the order before tile orders: each K tile's N tiles in a row (N bands wider than "
+            "any shape's N); measured 6.94 ms, 0.77x torch at mixtral, where the model reads "
+            "3236 MB a group",
+            grid_minor_dim="n",
+            grid_tile_width=256,
+        )
+        add(
+            "order_m8",
+            "bands of 8 K tiles: half the default's lhs slice in L2 per band, twice the bands "
+            "(model at mixtral: 354-588 MB a group vs 216-263 for m/16)",
+            grid_minor_dim="m",
+            grid_tile_width=8,
+        )
         add(
             "t128x128_s4",
             "output tile 128x128, 4 stages: the default before 128x256 x 3 stages (which beat it "

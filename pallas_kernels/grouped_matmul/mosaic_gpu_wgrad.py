@@ -5,6 +5,14 @@
 `reference.tgmm` is the spec. This file: the tile config, the kernel body, the public wrapper.
 Tiles come from `tuning.TileConfig` (shape class "tgmm"): block_m tiles K, block_n tiles N,
 block_k is the number of a group's rows per pipeline step.
+
+Tile order (TileConfig.grid_minor_dim, grid_tile_width): the work units are (group, K tile,
+N tile), group-major. Within a group, `plgpu.planar_snake` walks the (K tiles, N tiles) grid as
+the forward kernel walks its (row tiles, N tiles): "m" is the output's rows, which for tgmm are
+the K tiles. grid_minor_dim="m": bands of `grid_tile_width` K tiles; within a band, N tile after
+N tile, each with all of the band's K tiles; the N direction reverses from band to band. "n":
+bands of N tiles, K tiles within. The order only decides which CTA computes a tile and when (L2
+reuse of a group's rows); every tile's bits are the same in any order.
 """
 
 from __future__ import annotations
@@ -70,6 +78,24 @@ def default_config(num_k: int, num_n: int) -> TileConfig:
     )
 
 
+def unit_tile(unit, *, units_k: int, units_n: int, config: TileConfig):
+    """(group, K tile, N tile) of work unit `unit` (int32 scalars).
+
+    Units are group-major: units [g * units_k * units_n, (g + 1) * units_k * units_n) are
+    group g's. Within a group, `plgpu.planar_snake` over (K tiles, N tiles): bands of
+    `config.grid_tile_width` K tiles for grid_minor_dim="m" (tgmm's output rows are K), of N
+    tiles for "n". A bijection from [0, G * units_k * units_n) onto the (g, k, n) tiles.
+    """
+    per_group = units_k * units_n
+    k_idx, n_idx = plgpu.planar_snake(
+        lax.rem(unit, per_group),
+        (units_k, units_n),
+        0 if config.grid_minor_dim == "m" else 1,
+        config.grid_tile_width,
+    )
+    return unit // per_group, k_idx, n_idx
+
+
 def _swizzled(minor_elems: int, dtype: Any) -> tuple[Any, ...]:
     """SMEM transforms of a tile whose minor dimension holds `minor_elems` elements."""
     itemsize = jnp.dtype(dtype).itemsize
@@ -90,7 +116,8 @@ def _tgmm_kernel(
     """One persistent CTA: a compute warpgroup per column slice, one memory warpgroup.
 
     Invariants:
-      1. Each output tile [g, k tile, n tile] is one work unit, owned by one CTA; within it each
+      1. Each output tile [g, k tile, n tile] is one work unit (unit_tile maps the units onto
+         the tiles one to one, in the config's order), owned by one CTA; within it each
          compute warpgroup owns its own columns. Every output element has exactly one writer, and
          it is written once, also for an empty group (zeros). No atomics, no split-K.
       2. A unit accumulates its group's rows in order, in blocks of block_m rows that start at
@@ -162,13 +189,12 @@ def _tgmm_kernel(
         wg = lax.axis_index(_WG_AXIS)
 
         # 1. Persistent loop over units (g, k tile, n tile), group-major so that the CTAs at
-        #    work at one time share a group's rows in L2.
+        #    work at one time share a group's rows in L2; within a group, the config's tile
+        #    order (unit_tile).
         @plgpu.nd_loop((num_groups * units_k * units_n,), collective_axes=_SM_AXIS)
         def _unit(loop_info: plgpu.NDLoopInfo):
             (unit,) = loop_info.index
-            g = unit // (units_k * units_n)
-            k_idx = lax.rem(unit, units_k * units_n) // units_n
-            n_idx = lax.rem(unit, units_n)
+            g, k_idx, n_idx = unit_tile(unit, units_k=units_k, units_n=units_n, config=config)
             start = starts_g_ref[g]
             size = sizes_g_ref[g]
             # Invariant 2: the group's rows are positions [lead, lead + size) of its blocks.

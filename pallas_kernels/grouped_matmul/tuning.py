@@ -181,8 +181,26 @@ DEFAULT_CONFIGS: dict[tuple[ShapeClass, str], TileConfig] = {
     # at all five DESIGN.md shapes, random and 8-aligned group sizes (e.g. 1.73 vs 1.95 ms at
     # qwen3 gate_up, 0.95 vs 1.16 at qwen3 down, aligned, f32 out; H200, 2026-11-30,
     # bench/results/2026-11-30_tgmm_tuning_h200.json); 3 stages leave room for an f32 epilogue.
+    # Tile order (NOT YET MEASURED; bench/gmm_sweep.py's first wgrad candidates time it): bands
+    # of 16 K tiles ("m" is K for tgmm), all N tiles of a band before the next. Chosen with a
+    # model of HBM bytes: the 132 CTAs take 132 consecutive units at a time (a wave) and stream
+    # the group's rows together, so a wave reads each group's K and N slice it touches once; the
+    # slices stay in an LRU L2 of C bytes for the next wave only if the wave's slices fit in C.
+    # MB read per group for C = 50 / 25 / 20 MiB at mixtral gate_up (2048 rows a group, 32 K x
+    # 112 N tiles; ideal, every row read once: 134): the old order, each K tile's N tiles in a
+    # row, 3236 (26 GB a call: ~6.8 ms at 3.8 TB/s, measured 6.94 ms); m/8 354 / 433 / 588;
+    # m/16 216 / 242 / 263; m/32 (all of K: K tiles fastest) 134 / 146 / 610. The other four
+    # shapes are at their ideal with m/16 for C >= 20 MiB. m/32 is least only while a group's
+    # whole lhs slice (16.8 MB) stays in L2, and the L2 a wave can use is under 50 MiB (two
+    # partitions; 8.6 MB of bf16 output tiles written a wave): m/16 stays within 2x of ideal.
     ("tgmm", "NVIDIA H200"): TileConfig(
-        block_m=128, block_n=256, block_k=64, max_concurrent_steps=3, delay_release=0
+        block_m=128,
+        block_n=256,
+        block_k=64,
+        max_concurrent_steps=3,
+        delay_release=0,
+        grid_minor_dim="m",
+        grid_tile_width=16,
     ),
 }
 

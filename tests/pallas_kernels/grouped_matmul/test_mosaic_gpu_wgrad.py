@@ -5,6 +5,7 @@ GPU-marked twins at real size."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import chex
@@ -111,6 +112,81 @@ def test_no_races_between_warpgroups():
     jax.block_until_ready(out)
     assert not gpu_callbacks.get_races().races_found
     _assert_matches_reference(out, lhs, rhs, group_sizes)
+
+
+@pytest.mark.parametrize(
+    ("units_k", "units_n", "minor", "width"),
+    [
+        (5, 3, "n", 1),  # K tiles fastest
+        (5, 3, "m", 2),  # bands of 2 K tiles, the last band of 1
+        (5, 3, "m", 3),  # a width not a power of 2 (planar_snake's branchless path)
+        (5, 3, "m", 16),  # one band wider than K: K tiles fastest within each N tile
+        (4, 6, "n", 4),  # bands of N tiles
+        (1, 1, "m", 16),  # one tile a group
+    ],
+)
+def test_unit_tile_is_a_group_major_bijection(units_k, units_n, minor, width):
+    """unit_tile sends the units onto every (g, k tile, n tile) exactly once (one writer per
+    output tile), all of group g's units before g + 1's, in bands of `width` tiles along the
+    chosen dimension."""
+    num_groups = 3
+    per_group = units_k * units_n
+    config = dataclasses.replace(SMALL, grid_minor_dim=minor, grid_tile_width=width)
+    tiles = jax.jit(
+        jax.vmap(
+            lambda u: mosaic_gpu_wgrad.unit_tile(u, units_k=units_k, units_n=units_n, config=config)
+        )
+    )(jnp.arange(num_groups * per_group, dtype=jnp.int32))
+    g, k, n = (np.asarray(t) for t in tiles)
+    np.testing.assert_array_equal(g, np.repeat(np.arange(num_groups), per_group))
+    assert sorted(zip(g.tolist(), k.tolist(), n.tolist(), strict=True)) == [
+        (gi, ki, ni) for gi in range(num_groups) for ki in range(units_k) for ni in range(units_n)
+    ]
+    # Bands: the band index (along the minor dimension) never decreases within a group, and
+    # a band holds `width` minor tiles times every major tile.
+    minor_idx = (k if minor == "m" else n)[:per_group]
+    band = minor_idx // width
+    assert np.all(np.diff(band) >= 0)
+    major_size = units_n if minor == "m" else units_k
+    full_bands = (units_k if minor == "m" else units_n) // width
+    np.testing.assert_array_equal(
+        np.bincount(band)[:full_bands], np.full(full_bands, width * major_size)
+    )
+
+
+def test_wide_n_bands_are_the_n_fastest_order():
+    """grid_minor_dim="n" with a band as wide as N is the row-major (k, n) order."""
+    config = dataclasses.replace(SMALL, grid_minor_dim="n", grid_tile_width=8)
+    units = jnp.arange(2 * 3 * 8, dtype=jnp.int32)
+    g, k, n = jax.vmap(
+        lambda u: mosaic_gpu_wgrad.unit_tile(u, units_k=3, units_n=8, config=config)
+    )(units)
+    np.testing.assert_array_equal(g, units // 24)
+    np.testing.assert_array_equal(k, units % 24 // 8)
+    np.testing.assert_array_equal(n, units % 8)
+
+
+def test_tile_order_does_not_change_bits():
+    """The tile order only decides which CTA computes a tile (3 CTAs here, 36 units): every
+    order gives the same bits, and they match the reference."""
+    lhs, rhs = _inputs(13, 150, 256, 384)
+    group_sizes = jnp.asarray([53, 0, 70, 27], jnp.int32)
+    outs = {
+        (minor, width): tgmm(
+            lhs,
+            rhs,
+            group_sizes,
+            config=dataclasses.replace(
+                SMALL, grid_minor_dim=minor, grid_tile_width=width, grid_size=3
+            ),
+            interpret=True,
+        )
+        for minor, width in [("n", 3), ("m", 2), ("n", 1)]
+    }
+    (base, *others) = outs.values()
+    for other in others:
+        chex.assert_trees_all_equal(other, base)
+    _assert_matches_reference(base, lhs, rhs, group_sizes)
 
 
 @pytest.mark.parametrize(("prepend", "same_bits_as"), [(16, 0), (13, 5)])
