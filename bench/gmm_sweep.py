@@ -182,6 +182,12 @@ def candidates(product: str, shape: gg.Shape, *, smoke: bool = False) -> list[Tr
             grid_tile_width=8,
         )
         add(
+            "dr1",
+            "delay_release=1: one wgmma kept in flight, each stage released a step later (the "
+            "ring over a CTA's units allows it; the per-unit pipeline did not)",
+            delay_release=1,
+        )
+        add(
             "t128x128_s4",
             "output tile 128x128, 4 stages: the default before 128x256 x 3 stages (which beat it "
             "at all five shapes in the 2026-11-30 probe, with the rows repacked)",
@@ -202,13 +208,6 @@ def candidates(product: str, shape: gg.Shape, *, smoke: bool = False) -> list[Tr
             block_n=256,
             block_k=128,
             max_concurrent_steps=2,
-        )
-        add(
-            "t128x128_r128_s3",
-            "tile 128x128, 128 rows a step, 3 stages",
-            block_n=128,
-            block_k=128,
-            max_concurrent_steps=3,
         )
         add(
             "t128x256_s3_epi128",

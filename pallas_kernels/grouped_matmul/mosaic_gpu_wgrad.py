@@ -4,7 +4,9 @@
 
 `reference.tgmm` is the spec. This file: the tile config, the kernel body, the public wrapper.
 Tiles come from `tuning.TileConfig` (shape class "tgmm"): block_m tiles K, block_n tiles N,
-block_k is the number of a group's rows per pipeline step.
+block_k is the number of a group's rows per step. One persistent kernel: each CTA walks its work
+units (output tiles); a memory warpgroup loads the row blocks of all of them, in order, into one
+ring of SMEM stages that the compute warpgroups (wgmma) drain (see `_tgmm_kernel`).
 
 Tile order (TileConfig.grid_minor_dim, grid_tile_width): the work units are (group, K tile,
 N tile), group-major. Within a group, `plgpu.planar_snake` walks the (K tiles, N tiles) grid as
@@ -47,13 +49,8 @@ def check_config(config: TileConfig) -> None:
     """Raises ValueError if `tgmm` cannot run `config` (beyond TileConfig's own checks).
 
     For tgmm, block_m tiles K (the output's rows), block_n tiles N and block_k is the number of
-    a group's rows per pipeline step.
+    a group's rows per step (one SMEM stage).
     """
-    if config.delay_release != 0:
-        # Each work unit runs its own pipeline over shared buffers: the memory warpgroup starts
-        # the next unit's loads once the last stage is released, so that release must come
-        # after the stage's wgmma has finished.
-        raise ValueError(f"tgmm needs delay_release=0, got {config.delay_release}")
     if config.consumer_n > 256:
         raise ValueError(f"block_n // num_consumers = {config.consumer_n} must be <= 256")
 
@@ -66,13 +63,11 @@ def default_config(num_k: int, num_n: int) -> TileConfig:
     if num_n % block_n:
         block_n, num_consumers = (128, 2) if num_n % 128 == 0 else (64, 1)
     epi_m, epi_n = config.epilogue_tile
-    # delay_release=0 is what this kernel runs (see check_config).
     return dataclasses.replace(
         config,
         block_m=block_m,
         block_n=block_n,
         num_consumers=num_consumers,
-        delay_release=0,
         epi_block_m=min(epi_m, block_m),
         epi_block_n=min(epi_n, block_n // num_consumers),
     )
@@ -103,6 +98,12 @@ def _swizzled(minor_elems: int, dtype: Any) -> tuple[Any, ...]:
     return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
+def _compute_registers(num_consumers: int) -> int:
+    """Registers per thread of a compute warpgroup: the 64K-register file less the memory
+    warpgroup's, split between the compute warpgroups, at most 256, a multiple of 8."""
+    return min(256, (512 - _MEMORY_REGISTERS) // num_consumers) // 8 * 8
+
+
 def _tgmm_kernel(
     starts_g_ref,
     sizes_g_ref,
@@ -114,6 +115,11 @@ def _tgmm_kernel(
     num_groups: int,
 ):
     """One persistent CTA: a compute warpgroup per column slice, one memory warpgroup.
+
+    The memory warpgroup TMA-loads the row blocks of every unit of this CTA, unit after unit,
+    into a ring of `max_concurrent_steps` SMEM stages; it runs ahead of the compute warpgroups
+    by up to a full ring, across unit boundaries (the next unit's first blocks load while the
+    compute warpgroups finish a unit and run its epilogue).
 
     Invariants:
       1. Each output tile [g, k tile, n tile] is one work unit (unit_tile maps the units onto
@@ -134,116 +140,173 @@ def _tgmm_kernel(
          before the MMA of those two steps only, so they add exact zeros (finite lhs values
          outside the group assumed). Every other step is whole rows of the group.
       4. Accumulation is f32 in registers (wgmma); one cast at the store.
+      5. A stage is refilled only after every compute warpgroup released it, and a warpgroup
+         releases a stage only after the wgmmas that read it completed: with delay_release=0
+         right after the step's wgmma_wait(0); with delay_release=1 at the next step of the
+         unit (after wgmma_wait(1)), and a unit's last stage after its final wgmma_wait(0).
+         The memory warpgroup waits on a stage's `consumed` barrier before every reuse.
+      6. The memory and compute warpgroups walk the same units in the same order and count the
+         same row blocks (a carry of the unit loop), so step s always uses stage
+         s % max_concurrent_steps and every barrier's phases are waited in order, each exactly
+         once by each waiter. Units of empty groups load nothing and store zeros.
     """
-    num_rows, num_k = lhs_mk_ref.shape
-    num_n = rhs_mn_ref.shape[1]
+    num_k, num_n = lhs_mk_ref.shape[1], rhs_mn_ref.shape[1]
     # Names in this kernel: block_m rows of a group per step, an output tile [tile_k, tile_n].
     block_m, tile_k, tile_n = config.block_k, config.block_m, config.block_n
     wg_tile_n = config.consumer_n
+    num_consumers = config.num_consumers
+    stages = config.max_concurrent_steps
+    delay = config.delay_release
     units_k, units_n = pl.cdiv(num_k, tile_k), pl.cdiv(num_n, tile_n)
     epilogue_k, epilogue_n = config.epilogue_tile
     out_dtype = out_gkn_ref.dtype
     in_dtype = lhs_mk_ref.dtype
 
-    def make_pipeline(body, compute_context, num_steps):
-        return plgpu.emit_pipeline_warp_specialized(
-            body,
-            grid=(num_steps,),
-            memory_registers=_MEMORY_REGISTERS,
-            in_specs=[
-                plgpu.BlockSpec(
-                    (block_m, tile_k), lambda i: (i, 0), transforms=_swizzled(tile_k, in_dtype)
-                ),
-                plgpu.BlockSpec(
-                    (block_m, tile_n),
-                    lambda i: (i, 0),
-                    transforms=_swizzled(tile_n, in_dtype),
-                ),
-            ],
-            wg_axis=_WG_AXIS,
-            num_compute_wgs=config.num_consumers,
-            max_concurrent_steps=config.max_concurrent_steps,
-            compute_context=compute_context,
-        )
+    def unit_at(unit):
+        """Unit `unit`: its tile, the group's rows as positions [lead, lead + size) of
+        `num_blocks` row blocks from row `base` (invariant 2)."""
+        g, k_idx, n_idx = unit_tile(unit, units_k=units_k, units_n=units_n, config=config)
+        start = starts_g_ref[g]
+        size = sizes_g_ref[g]
+        lead = lax.rem(start, _ROW_ALIGN)
+        base = pl.multiple_of(start - lead, _ROW_ALIGN)
+        num_blocks = jnp.where(size > 0, pl.cdiv(lead + size, block_m), 0)
+        return g, k_idx, n_idx, base, lead, size, num_blocks
 
-    # The pipeline's buffers and barriers do not depend on its body; allocate them once for all
-    # units so that the memory warpgroup can run ahead into the next unit. (A static grid
-    # shorter than the depth would shrink the buffers: give it the full depth.)
-    ignore = lambda *_, **__: None  # noqa: E731
-    example_lhs = lhs_mk_ref.at[pl.ds(0, block_m), pl.ds(0, tile_k)]
-    example_rhs = rhs_mn_ref.at[pl.ds(0, block_m), pl.ds(0, tile_n)]
+    def unit_loop(body):
+        """This CTA's units in order; the carry counts its row blocks (ring steps)."""
+        return plgpu.nd_loop(
+            (num_groups * units_k * units_n,), collective_axes=_SM_AXIS, init_carry=jnp.int32(0)
+        )(body)
 
     @functools.partial(
         pl.run_scoped,
-        pipeline_allocs=make_pipeline(ignore, ignore, config.max_concurrent_steps).get_allocations(
-            example_lhs, example_rhs
+        lhs_smem=plgpu.SMEM(
+            (stages, block_m, tile_k), in_dtype, transforms=_swizzled(tile_k, in_dtype)
+        ),
+        rhs_smem=plgpu.SMEM(
+            (stages, block_m, tile_n), in_dtype, transforms=_swizzled(tile_n, in_dtype)
         ),
         out_smem=plgpu.SMEM(
-            (config.num_consumers, 2, epilogue_k, epilogue_n),
+            (num_consumers, 2, epilogue_k, epilogue_n),
             out_dtype,
             transforms=_swizzled(epilogue_n, out_dtype),
         ),
+        loaded=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        consumed=plgpu.Barrier(num_arrivals=num_consumers, num_barriers=stages),
         collective_axes=_WG_AXIS,
     )
-    def _scope(pipeline_allocs, out_smem):
+    def _scope(lhs_smem, rhs_smem, out_smem, loaded, consumed):
         wg = lax.axis_index(_WG_AXIS)
 
-        # 1. Persistent loop over units (g, k tile, n tile), group-major so that the CTAs at
-        #    work at one time share a group's rows in L2; within a group, the config's tile
-        #    order (unit_tile).
-        @plgpu.nd_loop((num_groups * units_k * units_n,), collective_axes=_SM_AXIS)
-        def _unit(loop_info: plgpu.NDLoopInfo):
-            (unit,) = loop_info.index
-            g, k_idx, n_idx = unit_tile(unit, units_k=units_k, units_n=units_n, config=config)
-            start = starts_g_ref[g]
-            size = sizes_g_ref[g]
-            # Invariant 2: the group's rows are positions [lead, lead + size) of its blocks.
-            lead = lax.rem(start, _ROW_ALIGN)
-            base = pl.multiple_of(start - lead, _ROW_ALIGN)
-            num_blocks = jnp.where(size > 0, pl.cdiv(lead + size, block_m), 0)
-            # Positions past the group's end in the last block: [tail_end, block_m).
-            tail_end = lead + size - (num_blocks - 1) * block_m
-            k_slice = pl.ds(k_idx * tile_k, tile_k)
-            n_slice = pl.ds(n_idx * tile_n, tile_n)
+        # 1. The memory warpgroup: every row block of every unit of this CTA, in order, into
+        #    the ring (invariants 5, 6). The gmem blocks start at the group's first row rounded
+        #    down to a multiple of 8 (invariant 2); blocks that run past the end of M read zeros
+        #    (TMA out-of-bounds fill).
+        @pl.when(wg == num_consumers)
+        def _memory():
+            plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
+
+            @unit_loop
+            def num_steps(loop_info: plgpu.NDLoopInfo, carry):
+                step0 = carry
+                _, k_idx, n_idx, base, _, _, num_blocks = unit_at(loop_info.index[0])
+                k_slice = pl.ds(k_idx * tile_k, tile_k)
+                n_slice = pl.ds(n_idx * tile_n, tile_n)
+
+                @pl.loop(0, num_blocks)
+                def _load_block(i):
+                    step = step0 + i
+                    slot = lax.rem(step, stages)
+
+                    @pl.when(step >= stages)
+                    def _wait_for_the_stage():
+                        plgpu.barrier_wait(consumed.at[slot])
+
+                    rows = pl.ds(pl.multiple_of(base + i * block_m, _ROW_ALIGN), block_m)
+                    plgpu.copy_gmem_to_smem(
+                        lhs_mk_ref.at[rows, k_slice], lhs_smem.at[slot], loaded.at[slot]
+                    )
+                    plgpu.copy_gmem_to_smem(
+                        rhs_mn_ref.at[rows, n_slice], rhs_smem.at[slot], loaded.at[slot]
+                    )
+
+                return step0 + num_blocks
+
+            # Observe the releases of the last stages too, so that no barrier is left with a
+            # phase its waiter never saw.
+            @pl.loop(jnp.maximum(num_steps - stages, 0), num_steps)
+            def _drain(step):
+                plgpu.barrier_wait(consumed.at[lax.rem(step, stages)])
+
+        # 2. The compute warpgroups: wgmma over the unit's row blocks into an f32 accumulator,
+        #    each warpgroup its own columns, then the epilogue.
+        @pl.when(wg < num_consumers)
+        def _compute():
+            plgpu.set_max_registers(_compute_registers(num_consumers), action="increase")
             wg_n_slice = pl.ds(pl.multiple_of(wg * wg_tile_n, wg_tile_n), wg_tile_n)
 
-            # 2. One pipeline step: one block of block_m rows, in order (invariant 2).
-            def mma_step(indices, lhs_smem, rhs_smem, acc_ref):
-                (step,) = indices
-                rhs_wg = rhs_smem.at[:, wg_n_slice]
+            @unit_loop
+            def _units(loop_info: plgpu.NDLoopInfo, carry):
+                step0 = carry
+                g, k_idx, n_idx, _, lead, size, num_blocks = unit_at(loop_info.index[0])
+                # Positions past the group's end in the last block: [tail_end, block_m).
+                tail_end = lead + size - (num_blocks - 1) * block_m
 
-                # 3. In the first and last blocks, zero the rows outside the group in this
-                #    warpgroup's rhs columns (invariant 3): rows [lo, hi) of the block are the
-                #    group's. Only the warpgroup that owns the columns writes them.
-                is_first, is_last = step == 0, step == num_blocks - 1
-                lo = jnp.where(is_first, lead, 0)
-                hi = jnp.where(is_last, tail_end, block_m)
+                # 3. One step: one block of block_m rows, in order (invariant 2).
+                def mma_step(i, acc_ref):
+                    step = step0 + i
+                    slot = lax.rem(step, stages)
+                    plgpu.barrier_wait(loaded.at[slot])
+                    rhs_wg = rhs_smem.at[slot].at[:, wg_n_slice]
 
-                @pl.when((lo > 0) | (hi < block_m))
-                def _mask_outside_rows():
-                    rows = plgpu.broadcasted_iota(
-                        jnp.int32, (block_m, wg_tile_n), 0, layout=plgpu.Layout.WGMMA
-                    )
-                    values = rhs_wg[...]
-                    inside = (rows >= lo) & (rows < hi)
-                    rhs_wg[...] = jnp.where(inside, values, jnp.zeros_like(values))
-                    plgpu.commit_smem()
+                    # In the first and last blocks, zero the rows outside the group in this
+                    # warpgroup's rhs columns (invariant 3): rows [lo, hi) of the block are the
+                    # group's. Only the warpgroup that owns the columns writes them.
+                    lo = jnp.where(i == 0, lead, 0)
+                    hi = jnp.where(i == num_blocks - 1, tail_end, block_m)
 
-                # lhs tile [block_m, tile_k] transposed is the A operand [tile_k, block_m].
-                plgpu.wgmma(acc_ref, lhs_smem.transpose((1, 0)), rhs_wg)
-                plgpu.wgmma_wait(0)
-                return acc_ref
+                    @pl.when((lo > 0) | (hi < block_m))
+                    def _mask_outside_rows():
+                        rows = plgpu.broadcasted_iota(
+                            jnp.int32, (block_m, wg_tile_n), 0, layout=plgpu.Layout.WGMMA
+                        )
+                        values = rhs_wg[...]
+                        inside = (rows >= lo) & (rows < hi)
+                        rhs_wg[...] = jnp.where(inside, values, jnp.zeros_like(values))
+                        plgpu.commit_smem()
 
-            # 4. Epilogue: registers -> SMEM -> TMA store, in sub-tiles, two SMEM slots per
-            #    warpgroup. Columns or rows past K or N are dropped by the TMA store.
-            def compute_context(run_pipeline):
-                @functools.partial(
-                    pl.run_scoped, acc_ref=plgpu.ACC((tile_k, wg_tile_n), jnp.float32)
-                )
-                def _acc_scope(acc_ref):
-                    run_pipeline(acc_ref)
+                    # lhs block [block_m, tile_k] transposed is the A operand [tile_k, block_m].
+                    plgpu.wgmma(acc_ref, lhs_smem.at[slot].transpose((1, 0)), rhs_wg)
+                    # Invariant 5: a stage is released once the wgmmas reading it are done.
+                    plgpu.wgmma_wait(delay)
+                    if delay:
+
+                        @pl.when(i > 0)
+                        def _release_the_previous_stage():
+                            plgpu.barrier_arrive(consumed.at[lax.rem(step - 1, stages)])
+
+                    else:
+                        plgpu.barrier_arrive(consumed.at[slot])
+                    return acc_ref
+
+                # 4. Epilogue: registers -> SMEM -> TMA store, in sub-tiles, two SMEM slots per
+                #    warpgroup. Columns or rows past K or N are dropped by the TMA store.
+                def acc_scope(acc_ref):
+                    acc_ref = lax.fori_loop(0, num_blocks, mma_step, acc_ref)
+                    if delay:
+
+                        @pl.when(num_blocks > 0)
+                        def _release_the_last_stage():
+                            plgpu.wgmma_wait(0)
+                            last = lax.rem(step0 + num_blocks - 1, stages)
+                            plgpu.barrier_arrive(consumed.at[last])
+
                     acc = acc_ref[...].astype(out_dtype)
+                    # The previous unit's stores must have read out_smem before it is reused.
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    k_slice = pl.ds(k_idx * tile_k, tile_k)
+                    n_slice = pl.ds(n_idx * tile_n, tile_n)
                     out_tile = out_gkn_ref.at[g, k_slice, n_slice].at[:, wg_n_slice]
                     sub_n = wg_tile_n // epilogue_n
                     for ek in range(tile_k // epilogue_k):
@@ -256,16 +319,10 @@ def _tgmm_kernel(
                             plgpu.commit_smem()
                             plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], out_tile.at[rows, cols])
 
-            # The gmem views start at the group's first row rounded down to a multiple of 8
-            # (invariant 2); blocks that run past the end of M read zeros (TMA out-of-bounds
-            # fill). An empty group runs no step: its unit stores zeros.
-            make_pipeline(mma_step, compute_context, num_blocks)(
-                lhs_mk_ref.at[pl.ds(base, num_rows), k_slice],
-                rhs_mn_ref.at[pl.ds(base, num_rows), n_slice],
-                allocations=pipeline_allocs,
-            )
+                pl.run_scoped(acc_scope, plgpu.ACC((tile_k, wg_tile_n), jnp.float32))
+                return step0 + num_blocks
 
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            plgpu.wait_smem_to_gmem(0)
 
 
 def tgmm(

@@ -181,6 +181,9 @@ DEFAULT_CONFIGS: dict[tuple[ShapeClass, str], TileConfig] = {
     # at all five DESIGN.md shapes, random and 8-aligned group sizes (e.g. 1.73 vs 1.95 ms at
     # qwen3 gate_up, 0.95 vs 1.16 at qwen3 down, aligned, f32 out; H200, 2026-11-30,
     # bench/results/2026-11-30_tgmm_tuning_h200.json); 3 stages leave room for an f32 epilogue.
+    # The tiles were measured with the kernel's earlier form (a pipeline per unit, drained at
+    # every unit); the ring over all of a CTA's units (one producer running ahead across units)
+    # is not yet measured, nor is delay_release=1, which the ring allows.
     # Tile order (NOT YET MEASURED; bench/gmm_sweep.py's first wgrad candidates time it): bands
     # of 16 K tiles ("m" is K for tgmm), all N tiles of a band before the next. Chosen with a
     # model of HBM bytes: the 132 CTAs take 132 consecutive units at a time (a wave) and stream
@@ -225,7 +228,7 @@ INTERPRET_CONFIG = TileConfig(
 )
 for _shape_class in SHAPE_CLASSES:
     DEFAULT_CONFIGS[(_shape_class, INTERPRET)] = INTERPRET_CONFIG
-# mosaic_gpu_wgrad.tgmm runs delay_release=0 only.
+# tgmm in interpret mode: delay_release=0, as its H200 default.
 DEFAULT_CONFIGS[("tgmm", INTERPRET)] = dataclasses.replace(INTERPRET_CONFIG, delay_release=0)
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.grouped_matmul import mosaic_gpu_wgrad, reference
+from pallas_kernels.grouped_matmul import mosaic_gpu_wgrad, reference, tuning
 from pallas_kernels.grouped_matmul.mosaic_gpu_wgrad import tgmm
 from pallas_kernels.grouped_matmul.tuning import TileConfig
 
@@ -36,6 +36,8 @@ SMALL = TileConfig(
 SMALL_ONE_CONSUMER = TileConfig(
     block_m=64, block_n=64, block_k=64, max_concurrent_steps=3, delay_release=0, num_consumers=1
 )
+# One wgmma in flight, each stage released a step later (invariant 5).
+SMALL_DELAYED = dataclasses.replace(SMALL, delay_release=1)
 H200 = jax.sharding.AbstractMesh(
     (1,),
     ("x",),
@@ -77,6 +79,8 @@ def _assert_matches_reference(out, lhs, rhs, group_sizes, out_dtype=jnp.float32)
         (90, 64, 128, [3, 2, 6, 0, 79], SMALL_ONE_CONSUMER),  # rows 3..4: inside one 8-row tile
         (101, 64, 128, [61, 4, 36], SMALL),  # M % 8 = 5, the last group ends at M
         (150, 64, 128, [7, 64, 64, 15], SMALL),  # first block = one 8-row tile; 2 blocks of 64
+        (203, 128, 128, [17, 45, 0, 3, 70, 31, 37], SMALL_DELAYED),  # delay_release=1
+        (300, 64, 128, [3, 250, 0, 47], SMALL_DELAYED),  # 5 blocks a unit: the ring wraps
     ],
 )
 def test_matches_reference(num_rows, num_k, num_n, sizes, config):
@@ -101,14 +105,20 @@ def test_default_config_under_jit():
     _assert_matches_reference(out, lhs, rhs, group_sizes)
 
 
-def test_no_races_between_warpgroups():
+@pytest.mark.parametrize("delay_release", [0, 1])
+def test_no_races_between_warpgroups(delay_release):
+    """Invariants 5 and 6 under the interpreter's race detector: the memory warpgroup refills a
+    stage only after both compute warpgroups released it. Two stages, units of 0 to 3 row
+    blocks (the rhs masked in first and last blocks), 8 units over 2 CTAs: the ring wraps
+    inside units and across their boundaries, and past units of an empty group."""
     # The interpreter's race detector prints; its private state says whether it found one.
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
 
     lhs, rhs = _inputs(5, 200, 128, 128)
-    group_sizes = jnp.asarray([60, 0, 77, 50], jnp.int32)
+    group_sizes = jnp.asarray([60, 0, 130, 10], jnp.int32)
     params = plgpu.InterpretGPUParams(detect_races=True)
-    out = tgmm(lhs, rhs, group_sizes, config=SMALL, interpret=params)
+    config = dataclasses.replace(SMALL, delay_release=delay_release)
+    out = tgmm(lhs, rhs, group_sizes, config=config, interpret=params)
     jax.block_until_ready(out)
     assert not gpu_callbacks.get_races().races_found
     _assert_matches_reference(out, lhs, rhs, group_sizes)
@@ -166,22 +176,27 @@ def test_wide_n_bands_are_the_n_fastest_order():
     np.testing.assert_array_equal(n, units % 8)
 
 
-def test_tile_order_does_not_change_bits():
-    """The tile order only decides which CTA computes a tile (3 CTAs here, 36 units): every
-    order gives the same bits, and they match the reference."""
+def test_tile_order_and_release_delay_do_not_change_bits():
+    """The tile order only decides which CTA computes a tile (3 CTAs here, 36 units), and
+    delay_release only when a stage is released: every order and delay gives the same bits,
+    and they match the reference."""
     lhs, rhs = _inputs(13, 150, 256, 384)
     group_sizes = jnp.asarray([53, 0, 70, 27], jnp.int32)
     outs = {
-        (minor, width): tgmm(
+        (minor, width, delay): tgmm(
             lhs,
             rhs,
             group_sizes,
             config=dataclasses.replace(
-                SMALL, grid_minor_dim=minor, grid_tile_width=width, grid_size=3
+                SMALL,
+                grid_minor_dim=minor,
+                grid_tile_width=width,
+                grid_size=3,
+                delay_release=delay,
             ),
             interpret=True,
         )
-        for minor, width in [("n", 3), ("m", 2), ("n", 1)]
+        for minor, width, delay in [("n", 3, 0), ("m", 2, 0), ("n", 1, 0), ("m", 2, 1)]
     }
     (base, *others) = outs.values()
     for other in others:
@@ -260,14 +275,15 @@ def test_bad_out_dtype_and_config_raise():
     sizes = jnp.ones((2,), jnp.int32)
     with pytest.raises(ValueError, match="out_dtype=dtype\\('int32'\\) must be"):
         tgmm(lhs, rhs, sizes, out_dtype=jnp.int32, interpret=True)
-    with pytest.raises(ValueError, match="tgmm needs delay_release=0, got 1"):
-        tgmm(lhs, rhs, sizes, config=TileConfig(delay_release=1), interpret=True)
+    too_wide = TileConfig(block_n=512, num_consumers=1, epi_block_n=64)
+    with pytest.raises(ValueError, match="block_n // num_consumers = 512 must be <= 256"):
+        tgmm(lhs, rhs, sizes, config=too_wide, interpret=True)
 
 
 @pytest.mark.parametrize(("num_k", "num_n"), [(2048, 1536), (768, 2048), (64, 64), (192, 320)])
 def test_default_config_fits_the_shape(num_k, num_n):
     config = mosaic_gpu_wgrad.default_config(num_k, num_n)
-    assert config.delay_release == 0
+    assert config.delay_release == tuning.default_config("tgmm").delay_release
     assert num_k % config.block_m == 0 and num_n % config.block_n == 0
     mosaic_gpu_wgrad.check_config(config)
 
@@ -282,6 +298,19 @@ def test_default_config_fits_the_shape(num_k, num_n):
             1536,
             128,
             TileConfig(block_m=128, block_n=256, max_concurrent_steps=3, delay_release=0),
+        ),
+        (
+            16384,
+            4096,
+            28672,
+            8,
+            TileConfig(
+                block_n=256,
+                max_concurrent_steps=3,
+                delay_release=1,
+                grid_minor_dim="m",
+                grid_tile_width=3,  # not a power of 2: planar_snake's branchless path
+            ),
         ),
         (37, 64, 128, 3, SMALL),  # M not a multiple of 8: padded
     ],
