@@ -113,22 +113,25 @@ def _swizzled(itemsize: int) -> tuple[plgpu.TilingTransform, plgpu.SwizzleTransf
     return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(_SWIZZLE_BYTES))
 
 
-def _store_rows(src_smem, dst_gmem, lo, hi):
+def _store_rows(src_smem, dst_gmem, lo, hi, *, granule: int = 1):
     """TMA-stores rows [lo, hi) of src_smem to the same rows of dst_gmem (0 <= lo, hi <= rows).
 
-    TMA boxes are static, so hi - lo is written as a sum of powers of two, largest first.
+    TMA boxes are static, so hi - lo is written as a sum of powers of two, largest first, down
+    to `granule` rows (lo and hi must then be multiples of it: a swizzled, 8-row-tiled buffer
+    is sliced in whole 8-row tiles).
     """
     count = jnp.maximum(hi - lo, 0)
     offset = lo
     power = 1 << int(math.log2(src_smem.shape[0]))
-    while power >= 1:
+    while power >= granule:
         part = count & power
 
         @pl.when(part != 0)
         def _store(offset=offset, power=power):
+            start = offset if granule == 1 else pl.multiple_of(offset, granule)
             plgpu.copy_smem_to_gmem(
-                src_smem.at[pl.ds(offset, power)],
-                dst_gmem.at[pl.ds(offset, power)],
+                src_smem.at[pl.ds(start, power)],
+                dst_gmem.at[pl.ds(start, power)],
                 commit_group=False,
             )
 
@@ -173,6 +176,11 @@ def _kernel(
     in_dtype = lhs_ref.dtype
     transforms = _swizzled(in_dtype.itemsize)
     rhs_block = (block_n, block_k) if transpose_rhs else (block_k, block_n)
+    out_swizzle = plgpu.find_swizzle(epi_n * out_dtype.itemsize * 8)
+    out_transforms = (
+        plgpu.TilingTransform((_ROW_ALIGN, out_swizzle // out_dtype.itemsize)),
+        plgpu.SwizzleTransform(out_swizzle),
+    )
 
     def tile_at(lin):
         """Output tile `lin` of the grid order: (column tile, group, first row, [lo, hi) the
@@ -197,12 +205,22 @@ def _kernel(
             plgpu.SMEM((stages, *rhs_block), in_dtype, transforms=transforms)
             for _ in range(num_rhs)
         ],
-        out_smem=plgpu.SMEM((num_consumers, 2, epi_m, epi_n), out_dtype),
+        # Epilogue buffers, two per consumer, seen two ways (never both at once): swizzled for
+        # stores of whole 8-row tiles (bank-conflict free), plain for a sub-tile whose rows
+        # start or end inside an 8-row tile (at group boundaries: rows are stored one by one).
+        # One union per consumer, so that no consumer's view aliases another's buffers.
+        epi_smem=[
+            plgpu.RefUnion(
+                plgpu.SMEM((2, epi_m, epi_n), out_dtype, transforms=out_transforms),
+                plgpu.SMEM((2, epi_m, epi_n), out_dtype),
+            )
+            for _ in range(num_consumers)
+        ],
         loaded=plgpu.Barrier(num_arrivals=1 + num_rhs, num_barriers=stages),
         consumed=plgpu.Barrier(num_arrivals=num_consumers, num_barriers=stages),
         collective_axes="wg",
     )
-    def _scope(lhs_smem, rhs_smems, out_smem, loaded, consumed):
+    def _scope(lhs_smem, rhs_smems, epi_smem, loaded, consumed):
         wg = lax.axis_index("wg")
 
         def tile_loop(body):
@@ -262,32 +280,50 @@ def _kernel(
             plgpu.set_max_registers(_consumer_registers(num_consumers), action="increase")
             cols = pl.ds(wg * consumer_n, consumer_n)
 
+            def store_sub_tile(slot, value, dst, first, end):
+                """TMA-stores rows [first, end) of one [epi_m, epi_n] sub-tile through `slot`
+                of this consumer's buffers."""
+                whole_tiles = (first % _ROW_ALIGN == 0) & (end % _ROW_ALIGN == 0)
+                for consumer, (tiled_smem, plain_smem) in enumerate(epi_smem):
+
+                    @pl.when((wg == consumer) & (end > first) & whole_tiles)
+                    def _store_whole_row_tiles(tiled_smem=tiled_smem):
+                        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                        tiled_smem[slot] = value
+                        plgpu.commit_smem()
+                        _store_rows(tiled_smem.at[slot], dst, first, end, granule=_ROW_ALIGN)
+                        plgpu.commit_smem_to_gmem_group()
+
+                    @pl.when((wg == consumer) & (end > first) & ~whole_tiles)
+                    def _store_rows_one_by_one(plain_smem=plain_smem):
+                        # The plain view aliases the tiled one: no store may still read either.
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        plain_smem[slot] = value
+                        plgpu.commit_smem()
+                        _store_rows(plain_smem.at[slot], dst, first, end)
+                        plgpu.commit_smem_to_gmem_group()
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
             def epilogue(out_f32, row0, lo, hi, ni):
-                """Stores tile rows [lo, hi) of this warpgroup's [block_m, consumer_n] columns."""
+                """Stores tile rows [lo, hi) of this warpgroup's [block_m, consumer_n] columns,
+                in [epi_m, epi_n] sub-tiles through two shared-memory slots (invariant 2)."""
                 out_cast = out_f32.astype(out_dtype)
-                # The previous tile's stores must have read out_smem before it is overwritten.
+                # The previous tile's stores must have read the buffers before they are reused.
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 col0 = ni * block_n + wg * consumer_n
                 sub = 0
                 for mi in range(block_m // epi_m):
                     for nj in range(consumer_n // epi_n):
-                        slot = sub % 2
-                        sub += 1
-                        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                        out_smem[wg, slot] = out_cast[
-                            mi * epi_m : (mi + 1) * epi_m, nj * epi_n : (nj + 1) * epi_n
-                        ]
-                        plgpu.commit_smem()
-                        dst = out_ref.at[
-                            pl.ds(row0 + mi * epi_m, epi_m), pl.ds(col0 + nj * epi_n, epi_n)
-                        ]
-                        _store_rows(
-                            out_smem.at[wg, slot],
-                            dst,
+                        store_sub_tile(
+                            sub % 2,
+                            out_cast[mi * epi_m : (mi + 1) * epi_m, nj * epi_n : (nj + 1) * epi_n],
+                            out_ref.at[
+                                pl.ds(row0 + mi * epi_m, epi_m), pl.ds(col0 + nj * epi_n, epi_n)
+                            ],
                             jnp.clip(lo - mi * epi_m, 0, epi_m),
                             jnp.clip(hi - mi * epi_m, 0, epi_m),
                         )
-                        plgpu.commit_smem_to_gmem_group()
+                        sub += 1
 
             @tile_loop
             def _tiles(loop_info: plgpu.NDLoopInfo, carry):
@@ -483,18 +519,18 @@ def _grouped_call(
         return jnp.zeros((num_rows, n), out_dtype)
     block_m = config.block_m
     # A TMA box may not be taller than its tensor: tiny inputs are padded to one tile (lhs and
-    # out). TMA into 8-row-tiled shared memory views lhs in whole 8-row tiles: its row count is
-    # padded to a multiple of 8 (a copy of lhs, avoided when M is a multiple of 8).
-    out_rows = max(num_rows, block_m)
-    lhs_rows = pl.cdiv(out_rows, _ROW_ALIGN) * _ROW_ALIGN
-    if lhs_rows != num_rows:
-        lhs_mk = jnp.pad(lhs_mk, ((0, lhs_rows - num_rows), (0, 0)))
+    # out). TMA between GMEM and 8-row-tiled shared memory views a tensor in whole 8-row tiles:
+    # lhs and out have a multiple of 8 rows (lhs padded, a copy avoided when M is a multiple of
+    # 8; out's extra rows are sliced off).
+    out_rows = pl.cdiv(max(num_rows, block_m), _ROW_ALIGN) * _ROW_ALIGN
+    if out_rows != num_rows:
+        lhs_mk = jnp.pad(lhs_mk, ((0, out_rows - num_rows), (0, 0)))
     group_t, row0_t = tile_schedule(group_sizes_g, num_rows=num_rows, block_m=block_m)
     starts_x, ends_x = group_bounds(group_sizes_g, num_rows=num_rows)
     operands = [group_t, row0_t, starts_x, ends_x, lhs_mk, *rhs]
     if row_scale_m is not None:
         # Scales are read for whole tiles: pad so the last tile's read stays in bounds.
-        operands.append(jnp.pad(row_scale_m, (0, lhs_rows - num_rows + block_m)))
+        operands.append(jnp.pad(row_scale_m, (0, out_rows - num_rows + block_m)))
     grid_size = config.grid_size or tuning.persistent_grid_size()
     body = functools.partial(
         _kernel,
