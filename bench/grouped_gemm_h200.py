@@ -5,10 +5,12 @@ The one device command (repository root, device call with `carry: [".whl"]`, tim
 
     bash bench/grouped_gemm_h200.sh
 
-It installs the carried tokamax wheels, runs this script and copies the results to $OUT.
-Locally, on CPU (tiny shapes, our kernels in GPU interpret mode, GPU-only baselines skipped):
+It installs the carried tokamax wheels and runs this script, writing the results to $OUT.
+Locally, on CPU (tiny shapes, our kernels in GPU interpret mode, GPU-only baselines "not
+available"), and the full run's time plan without running it:
 
     PYTHONPATH=. python -m bench.grouped_gemm_h200 --smoke --out /tmp/gg
+    PYTHONPATH=. python -m bench.grouped_gemm_h200 --plan
 
 What it does, per shape (DESIGN.md's five plus qwen3 gate_up under Zipf routing) and product
 (forward, dgrad, wgrad, backward = dgrad + wgrad as autograd runs it, fused SwiGLU):
@@ -18,15 +20,19 @@ What it does, per shape (DESIGN.md's five plus qwen3 gate_up under Zipf routing)
      `pallas_kernels/grouped_matmul/reference.py` in f32 on a few groups (first/last rows of the
      first, middle, last and largest groups; whole groups for the weight gradient). Pass:
      finite, and |out - ref| <= 2^-6 * (|ref| + rms(ref)) elementwise.
-  3. Two more runs on the same inputs; the three outputs are compared bitwise.
+  3. Two more runs on the same inputs; the three outputs are compared bitwise (and the last
+     timed run's output with the first).
   4. Timing: warm-up, then >= 10 timed samples; a sample is `reps` back-to-back calls between
      two device synchronizations (host clock), divided by `reps` (reps makes a sample >= ~5 ms
      so launch and sync overhead stay out; the same method for JAX and torch). Median, min, max.
   TFLOP/s counts 2*M*K*N (M = routed rows; backward counts twice that); ratio = torch time /
   candidate time (> 1: faster than torch).
 A candidate that cannot be imported or built is reported as "not available: <reason>"; one that
-fails its check is not timed. Results: bench/results/grouped_gemm_h200.{json,md}, rewritten
-after every shape so a run cut short still leaves its numbers.
+fails its check is not timed. Time: the run is planned to fit one device call (`Planner`: each
+step starts only if its estimate and those of all higher-priority steps still to come fit;
+what does not fit is recorded as skipped), and a watchdog writes the results and exits if the
+run outlives its hard limit. Results: grouped_gemm_h200.{json,md} in --out, rewritten after
+every candidate so a run cut short still leaves its numbers.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ import pathlib
 import platform
 import subprocess
 import sys
+import threading
 import time
 import traceback
 import types
@@ -61,6 +68,7 @@ import numpy as np
 
 from pallas_kernels.grouped_matmul import reference
 
+PROCESS_START = time.time()  # the budget's start when --started-at is not given
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEVICE_COMMAND = "bash bench/grouped_gemm_h200.sh"
 ZIPF_EXPONENT = 1.2
@@ -250,12 +258,17 @@ class Candidate:
     family: str  # one of FAMILIES
     build: Callable[[], Runner]
     extra: bool = False  # not a target row: skipped first when time runs short
-    config: str = ""
+    config: str | Callable[[], str] = ""  # a callable is described when the candidate runs
     config_source: str = ""  # where `config` came from (ours: defaults table or a sweep)
 
 
 def _as_tuple(out) -> tuple[jax.Array, ...]:
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def _xla_dense_bytes(s: Shape, product: str) -> int:
+    """Bytes of the dense per-group operands XLA:GPU builds for the ragged-contracting dot."""
+    return s.g * s.m * (s.k + s.n + (s.k if product == "backward" else 0)) * 2
 
 
 def _jax_memory_available() -> int | None:
@@ -347,6 +360,11 @@ class Problem:
     torch: Any = None  # the torch module, or None
     t: dict = dataclasses.field(default_factory=dict)  # torch views
     subsets: dict = dataclasses.field(default_factory=dict)  # reference.py parts, by name
+
+    @classmethod
+    def placeholder(cls, shape: Shape, torch_mod=None) -> Problem:
+        """No data: enough to list the candidates (their builds read the data when called)."""
+        return cls(shape, group_sizes_for(shape), *(None,) * 6, torch=torch_mod)
 
 
 class Bench:
@@ -487,7 +505,16 @@ class Bench:
                 fn = functools.partial(mod.gmm, **_kwargs_accepted(mod.gmm, **interp))
                 return jax_runner(fn, p.x, p.w, p.gs)
 
-            cands.append(Candidate("ours triton.gmm", "ours", triton_build, extra=True))
+            cands.append(
+                Candidate(
+                    "ours triton.gmm",
+                    "ours",
+                    triton_build,
+                    extra=True,
+                    config=lambda: repr(self._ours("triton").TritonTileConfig()),
+                    config_source="TritonTileConfig's defaults (config=None)",
+                )
+            )
             return cands
         if product == "dgrad":
             return [
@@ -542,6 +569,10 @@ class Bench:
                     "ours ops.gmm backward (custom_vjp)",
                     "ours",
                     ops_build,
+                    config=lambda: (
+                        f"dgrad: {self._ours_config('dgrad', use_sweep=False)[1]}; "
+                        f"wgrad: {self._ours_config('wgrad', use_sweep=False)[1]}"
+                    ),
                     config_source="defaults table (ops.gmm takes no config)",
                 )
             ]
@@ -595,7 +626,7 @@ class Bench:
 
             return build
 
-        config = self.tokamax_config
+        config = lambda: self.tokamax_config  # noqa: E731 (described when it runs)
         if product == "forward":
             build = dims_build(p.x, p.w, "DEFAULT_RAGGED_DOT_DIM_NUMS")
             return [Candidate("tokamax mosaic", "tokamax", build, config=config)]
@@ -737,15 +768,14 @@ class Bench:
         per-group operands, bf16[G, M, K] and bf16[G, M, N] (its VJP adds a bf16[M, G, K]
         transpose): seen in the HLO of its out-of-memory failures on the H200 (2026-11-30).
         Refuse up front what cannot fit rather than spend compile and autotuning time."""
-        s = self.p.shape
-        widths = s.k + s.n + (s.k if product == "backward" else 0)
-        need = s.g * s.m * widths * 2
+        need = _xla_dense_bytes(self.p.shape, product)
         available = _jax_memory_available()
         if available is not None and need > available:
             raise NotAvailable(
                 f"XLA's {product} builds dense per-group operands of {need / 2**30:.0f} GiB "
-                f"(G*M*{widths} bf16), {available / 2**30:.0f} GiB free for JAX (it ran out of "
-                "memory in XLA's autotuner at this shape on 2026-11-30)"
+                f"(G*M*(K+N{'+K' if product == 'backward' else ''}) bf16), "
+                f"{available / 2**30:.0f} GiB free for JAX (it ran out of memory in XLA's "
+                "autotuner at the qwen3 shapes on 2026-11-30)"
             )
 
     def candidates(self, product: str) -> list[Candidate]:
@@ -767,27 +797,38 @@ class Bench:
 # References
 
 
+# The references compile without XLA's GEMM autotuner. On the H200 every new reference part cost
+# 7-14 s before its torch row (2026-11-30 sweep log), except the two swiglu pairs whose f32 dot
+# shapes an earlier pair had already compiled (~1 s): the autotuner timing each new f32 dot
+# shape, most likely, about 200 s over a full run. It only picks among algorithms for the same
+# products. Per-executable options, not process-wide flags.
+REFERENCE_COMPILER_OPTIONS = {"xla_gpu_autotune_level": 0}
+_ref_jit = functools.partial(jax.jit, compiler_options=REFERENCE_COMPILER_OPTIONS)
+_ref_gmm = _ref_jit(reference.gmm, static_argnames="transpose_rhs")
+_ref_tgmm = _ref_jit(reference.tgmm)
+_ref_swiglu = _ref_jit(reference.gmm_swiglu)
+_ref_ragged_dot = _ref_jit(
+    functools.partial(jax.lax.ragged_dot, preferred_element_type=jnp.float32)
+)
+
+
 def full_reference(p: Problem, product: str) -> tuple[jax.Array, ...]:
     """All elements of the expected result without torch: XLA ragged_dot (bf16 products, f32
     accumulation) and reference.tgmm in f32."""
-    f32 = jnp.float32
-    rd = functools.partial(jax.lax.ragged_dot, preferred_element_type=f32)
+    rd = _ref_ragged_dot
     if product == "forward":
         return (rd(p.x, p.w, p.gs),)
     if product == "dgrad":
         return (rd(p.dout, jnp.swapaxes(p.w, 1, 2), p.gs),)
     if product == "wgrad":
-        return (reference.tgmm(p.x, p.dout, p.gs),)
+        return (_ref_tgmm(p.x, p.dout, p.gs),)
     if product == "backward":
-        return (rd(p.dout, jnp.swapaxes(p.w, 1, 2), p.gs), reference.tgmm(p.x, p.dout, p.gs))
+        return (rd(p.dout, jnp.swapaxes(p.w, 1, 2), p.gs), _ref_tgmm(p.x, p.dout, p.gs))
     if product == "swiglu":
         return (jax.nn.silu(rd(p.x, p.w_gate, p.gs)) * rd(p.x, p.w_up, p.gs),)
     raise ValueError(product)
 
 
-_ref_gmm = jax.jit(reference.gmm, static_argnames="transpose_rhs")
-_ref_tgmm = jax.jit(reference.tgmm)
-_ref_swiglu = jax.jit(reference.gmm_swiglu)
 SUBSET_PARTS = {
     "forward": ("forward",),
     "dgrad": ("dgrad",),
@@ -877,15 +918,27 @@ def check(outs: tuple, full: tuple | None, subsets: tuple[Subset, ...], sizes: n
 # Timing
 
 
-def time_runner(runner: Runner, *, warmup: int, timed: int, target_sample_s: float) -> dict:
-    out = None
-    for _ in range(warmup):
-        out = runner.call()
-        runner.sync(out)
+def time_runner(
+    runner: Runner, *, warmup: int, timed: int, target_sample_s: float, keep: dict | None = None
+) -> dict:
+    """Median of `timed` samples after warm-up. A sample is `reps` back-to-back calls between two
+    syncs, over reps; reps makes a sample last >= target_sample_s. A first call longer than
+    SLOW_CALL_S (XLA's ragged_dot: 40-165 ms) is the whole warm-up (reps is 1 for it anyway),
+    so a slow candidate costs 1 + timed calls here. `keep["out"]`: the last output."""
     t0 = time.perf_counter()
     out = runner.call()
     runner.sync(out)
     single_s = time.perf_counter() - t0
+    warm_calls = 1
+    if single_s <= SLOW_CALL_S:
+        for _ in range(warmup):
+            out = runner.call()
+            runner.sync(out)
+        t0 = time.perf_counter()
+        out = runner.call()
+        runner.sync(out)
+        single_s = time.perf_counter() - t0
+        warm_calls += warmup + 1
     reps = max(1, min(50, round(target_sample_s / max(single_s, 1e-9))))
     samples = []
     for _ in range(timed):
@@ -894,6 +947,8 @@ def time_runner(runner: Runner, *, warmup: int, timed: int, target_sample_s: flo
             out = runner.call()
         runner.sync(out)
         samples.append((time.perf_counter() - t0) / reps * 1e3)
+    if keep is not None:
+        keep["out"] = out
     del out
     return {
         "median_ms": float(np.median(samples)),
@@ -901,7 +956,7 @@ def time_runner(runner: Runner, *, warmup: int, timed: int, target_sample_s: flo
         "max_ms": float(np.max(samples)),
         "reps_per_sample": reps,
         "samples": timed,
-        "warmup": warmup + 1,
+        "warmup": warm_calls,
         "samples_ms": [round(s, 5) for s in samples],
     }
 
@@ -949,8 +1004,13 @@ def product_cost(shape: Shape, product: str, out_itemsize: int = 2) -> tuple[flo
 
 
 class Clock:
-    def __init__(self, budget_s: float):
-        self.t0, self.budget_s = time.perf_counter(), budget_s
+    """Seconds since `started_at` (a `time.time()`, default now) against `budget_s`: a candidate
+    starts while the budget lasts, an extra while 70% of it lasts (bench.gmm_sweep's rule;
+    the benchmark itself plans with `Planner`)."""
+
+    def __init__(self, budget_s: float, *, started_at: float | None = None):
+        before = 0.0 if started_at is None else max(0.0, time.time() - started_at)
+        self.t0, self.budget_s = time.perf_counter() - before, budget_s
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0
@@ -959,33 +1019,322 @@ class Clock:
         return self.elapsed() < self.budget_s
 
     def allows(self, cand: Candidate) -> bool:
-        # Extras go first when time runs short: they stop at 70% of the budget.
         limit = self.budget_s * (0.7 if cand.extra else 1.0)
         return self.elapsed() < limit
+
+    def would_allow(self, cand: Candidate) -> bool:
+        """Whether `cand` would start now (nothing recorded)."""
+        return self.allows(cand)
+
+    def skip_reason(self, cand: Candidate) -> str | None:
+        """None if `cand` may start now, else the status to record."""
+        if self.allows(cand):
+            return None
+        return f"skipped: time budget ({self.elapsed():.0f} s of {self.budget_s:.0f})"
+
+    def finished(self, cand: Candidate, wall_s: float) -> None:
+        """run_candidate's report that `cand` ran for wall_s (the Planner learns from it)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# The time plan
+#
+# The whole run is one device call (the issue), so every piece of work is planned with a cost
+# estimate and starts only if it ends before the budget together with everything of a higher
+# priority still to come. Tier 0: torch and our kernels (the targets) and what they need;
+# 1: DESIGN.md's baselines (tokamax, the jax example, XLA forward and backward) and the
+# ceilings; 2: extras and XLA's separate dgrad and wgrad. What does not fit is recorded as
+# skipped with its estimate.
+
+TIERS = {
+    0: "targets: torch, our kernels, their inputs and references",
+    1: "baselines: tokamax, jax example, XLA forward and backward; ceilings",
+    2: "extras; XLA dgrad and wgrad",
+}
+# Seconds, the upper end of the 2026-11-30 H200 walls (results/2026-11-30_grouped_gemm_baselines_
+# h200_run2.json: torch 0.3-0.9 s, its autograd backward 2.3 s, tokamax 1.7-2.0 s, jax example
+# 1.3-1.9 s; results/2026-11-30_gmm_sweep_h200.json: ours 1.8-3.8 s; reference parts 7-14 s with
+# XLA's autotuner, gaps in the sweep log; the ceilings ~6 s). Triton and our custom_vjp backward
+# were not measured. Once this run has measured a kind, 1.5x its mean replaces the table.
+STATIC_COST_S = {
+    ("torch", "gemm"): 1.5,
+    ("torch", "backward"): 3.0,
+    ("ours", "gemm"): 4.0,
+    ("ours", "backward"): 8.0,
+    ("ours", "triton"): 10.0,
+    ("tokamax", "gemm"): 2.5,
+    ("tokamax", "backward"): 4.0,
+    ("jax_example", "gemm"): 2.5,
+    ("reference", "part"): 12.0,
+    ("setup", "inputs"): 3.0,
+    ("ceilings", "ceilings"): 10.0,
+}
+# XLA ragged_dot: compile (0.5-17.3 s measured, autotuning included) plus its calls at DESIGN.md's
+# rate for the shape (4.9 TFLOP/s, the slowest, where DESIGN.md has none); never calibrated.
+XLA_COMPILE_S = 18.0
+XLA_SLOWEST_TFLOPS = 4.9
+SLOW_CALL_S = 0.05  # a call this long skips the extra warm-up: the checked runs warmed it up
+H200_JAX_BYTES = int(0.8 * 139 * 2**30)  # the XLA guard's estimate when not on the GPU
+
+
+@dataclasses.dataclass
+class Step:
+    """One planned piece of work: a shape's inputs, a product's reference parts, a candidate."""
+
+    shape: str
+    product: str  # a PRODUCTS entry, "setup" or "ceilings"
+    name: str  # the candidate's name, "reference.py", "inputs" or "ceilings"
+    family: str  # a FAMILIES entry, "reference", "setup" or "ceilings"
+    tier: int
+    kind: str  # with family, the key of STATIC_COST_S and of what this run measured
+    static_s: float  # the estimate before this run measured anything
+    units: int = 1  # reference parts in a reference step
+    state: str = "planned"  # planned, running, done, skipped
+
+
+def candidate_tier(cand: Candidate, product: str) -> int:
+    if cand.family in ("torch", "ours") and not cand.extra:
+        return 0
+    if cand.extra or (cand.family == "xla" and product in ("dgrad", "wgrad")):
+        return 2
+    return 1
+
+
+def _cost_kind(cand: Candidate, product: str) -> str:
+    if product == "backward":
+        return "backward"
+    return "triton" if "triton" in cand.name else "gemm"
+
+
+def xla_estimate(shape: Shape, product: str, args) -> float:
+    """Seconds for an XLA ragged_dot candidate: compile plus its calls; ~1 s where the dense
+    guard refuses it."""
+    if product in ("wgrad", "backward"):
+        available = _jax_memory_available() or H200_JAX_BYTES
+        if _xla_dense_bytes(shape, product) > available:
+            return 1.0
+    flops, _ = product_cost(shape, product)
+    call_s = flops / (shape.design_tflops.get("xla ragged_dot", XLA_SLOWEST_TFLOPS) * 1e12)
+    calls = args.repeats + 1 + args.timed + 1 + (0 if call_s > SLOW_CALL_S else args.warmup)
+    return XLA_COMPILE_S + calls * call_s
+
+
+def plan_steps(args, torch_mod, *, ceilings: bool) -> list[Step]:
+    """Every step of the run in the order it runs, from the candidate lists themselves."""
+    steps = []
+    cost = STATIC_COST_S
+    if ceilings:
+        steps.append(
+            Step(
+                "", "ceilings", "ceilings", "ceilings", 1, "ceilings", cost["ceilings", "ceilings"]
+            )
+        )
+    for shape in args.shape_list:
+        steps.append(
+            Step(shape.name, "setup", "inputs", "setup", 0, "inputs", cost["setup", "inputs"])
+        )
+        bench = Bench(args, Problem.placeholder(shape, torch_mod))
+        seen: set[str] = set()
+        for product in args.products:
+            if product == "swiglu" and not shape.gate_up:
+                continue
+            parts = [x for x in SUBSET_PARTS[product] if x not in seen]
+            seen.update(parts)
+            if parts:
+                est = len(parts) * cost["reference", "part"]
+                steps.append(
+                    Step(
+                        shape.name, product, "reference.py", "reference", 0, "part", est, len(parts)
+                    )
+                )
+            for cand in bench.candidates(product):
+                kind = _cost_kind(cand, product)
+                est = (
+                    xla_estimate(shape, product, args)
+                    if cand.family == "xla"
+                    else cost.get((cand.family, kind), cost[cand.family, "gemm"])
+                )
+                tier = candidate_tier(cand, product)
+                steps.append(Step(shape.name, product, cand.name, cand.family, tier, kind, est))
+    return steps
+
+
+class Planner(Clock):
+    """The Clock of the benchmark: admits a step when its estimate plus the estimates of every
+    step of a higher priority (lower tier) still planned fit in the time left."""
+
+    def __init__(self, budget_s: float, steps: list[Step], *, started_at: float | None = None):
+        super().__init__(budget_s, started_at=started_at)
+        self.steps = steps
+        self.index = {(s.shape, s.product, s.name): s for s in steps}
+        self.measured: dict[tuple[str, str], list[float]] = {}
+        self.where = ("", "")  # (shape, product) of the candidates run_candidate sees
+        self.current: Step | None = None
+        self.plan_total_s = sum(s.static_s for s in steps)
+        self.defer = True  # the first pass defers what does not fit (tiers > 0)
+
+    def estimate(self, step: Step) -> float:
+        seen = self.measured.get((step.family, step.kind))
+        if step.family == "xla" or not seen:
+            return step.static_s
+        return 1.5 * step.units * sum(seen) / len(seen)
+
+    def held_for(self, step: Step) -> float:
+        """Estimated seconds of the steps still planned that outrank `step`."""
+        return sum(
+            self.estimate(s)
+            for s in self.steps
+            if s.state == "planned" and s.tier < step.tier and s is not step
+        )
+
+    def fits(self, step: Step) -> bool:
+        return step.state == "planned" and (
+            self.estimate(step) + self.held_for(step) <= self.budget_s - self.elapsed()
+        )
+
+    def would_allow(self, cand: Candidate) -> bool:
+        step = self.step(*self.where, cand.name)
+        return super().would_allow(cand) if step is None else self.fits(step)
+
+    def admit(self, step: Step) -> str | None:
+        """None, and the step is running, if it fits; else the skip status. A step of tier > 0
+        that does not fit in the first pass is deferred (`rerun_deferred` tries it again once
+        the first pass is over; the estimates of tiers < its own are upper ends, so time is
+        often left), any other is skipped."""
+        est, held = self.estimate(step), self.held_for(step)
+        left = self.budget_s - self.elapsed()
+        if est + held <= left:
+            step.state, self.current = "running", step
+            return None
+        step.state = "deferred" if self.defer and step.tier > 0 else "skipped"
+        held_txt = f" + {held:.0f} s held for tiers < {step.tier}" if held else ""
+        verb = "deferred" if step.state == "deferred" else "skipped"
+        return (
+            f"{verb}: time budget (needs ~{est:.0f} s{held_txt}; {max(left, 0):.0f} s of "
+            f"{self.budget_s:.0f} left)"
+        )
+
+    def finish(self, step: Step, wall_s: float) -> None:
+        step.state, self.current = "done", None
+        self.measured.setdefault((step.family, step.kind), []).append(wall_s / step.units)
+
+    def skip(self, shape: str, product: str | None = None) -> None:
+        """Every step of a shape (or of one of its products) not run yet is skipped."""
+        for s in self.steps:
+            if (
+                s.shape == shape
+                and s.state in ("planned", "deferred")
+                and product in (None, s.product)
+            ):
+                s.state = "skipped"
+
+    def plan_deferred_again(self) -> dict[str, list[Step]]:
+        """The second pass: every deferred step planned again (no more deferring), by shape."""
+        self.defer = False
+        by_shape: dict[str, list[Step]] = {}
+        for s in self.steps:
+            if s.state == "deferred":
+                s.state = "planned"
+                by_shape.setdefault(s.shape, []).append(s)
+        return by_shape
+
+    def step(self, shape: str, product: str, name: str) -> Step | None:
+        return self.index.get((shape, product, name))
+
+    def skip_reason(self, cand: Candidate) -> str | None:
+        step = self.step(*self.where, cand.name)
+        if step is None:  # not planned (a test's stand-in): the plain budget rule
+            return super().skip_reason(cand)
+        return self.admit(step)
+
+    def finished(self, cand: Candidate, wall_s: float) -> None:
+        step = self.step(*self.where, cand.name)
+        if step is not None and step.state == "running":
+            self.finish(step, wall_s)
+
+    def summary(self) -> dict:
+        by_tier = {}
+        for tier in TIERS:
+            steps = [s for s in self.steps if s.tier == tier]
+            by_tier[str(tier)] = {
+                "what": TIERS[tier],
+                "steps": len(steps),
+                "done": sum(s.state == "done" for s in steps),
+                "skipped": sum(s.state == "skipped" for s in steps),
+                "deferred": sum(s.state == "deferred" for s in steps),
+                "planned_s": round(sum(s.static_s for s in steps), 1),
+            }
+        return {
+            "budget_s": self.budget_s,
+            "static_estimate_s": round(self.plan_total_s, 1),
+            "tiers": by_tier,
+            "measured_mean_s": {
+                f"{family} {kind}": round(sum(v) / len(v), 2)
+                for (family, kind), v in sorted(self.measured.items())
+            },
+        }
+
+
+class Watchdog:
+    """Ends the run at `limit_s` on the clock if it is still going: `stop(what was running)`
+    writes the results and exits, so the device call returns its files instead of being killed
+    (a hung kernel, an estimate far too low)."""
+
+    def __init__(self, clock: Clock, limit_s: float, stop: Callable[[str], None]):
+        self.clock, self.limit_s, self.stop = clock, limit_s, stop
+        self.timer = threading.Timer(max(0.0, limit_s - clock.elapsed()), self.fire)
+        self.timer.daemon = True
+
+    def start(self) -> Watchdog:
+        self.timer.start()
+        return self
+
+    def cancel(self) -> None:
+        self.timer.cancel()
+
+    def fire(self) -> None:
+        step = getattr(self.clock, "current", None)
+        what = "nothing planned" if step is None else f"{step.shape} {step.product} {step.name}"
+        self.stop(f"stopped by the watchdog at {self.clock.elapsed():.0f} s while running: {what}")
 
 
 def run_candidate(
     cand: Candidate, *, product, full, subsets, sizes, args, clock
 ) -> tuple[dict, tuple]:
-    """Build, check, repeat (bitwise), time. Returns the record and the checked outputs."""
+    """Build, check, repeat (bitwise), time, and compare the last timed output bitwise too.
+    Returns the record and the checked outputs."""
     rec: dict[str, Any] = {"name": cand.name, "family": cand.family, "extra": cand.extra}
-    if cand.config:
-        rec["config"] = cand.config
     if cand.config_source:
         rec["config_source"] = cand.config_source
-    if not clock.allows(cand):
-        rec["status"] = f"skipped: time budget ({clock.elapsed():.0f} s of {clock.budget_s:.0f})"
+    skipped = clock.skip_reason(cand)
+    if skipped is not None:
+        rec["status"] = skipped
+        if cand.config and not callable(cand.config):
+            rec["config"] = cand.config
         return rec, ()
     t_start = time.perf_counter()
+    outs: tuple = ()
+    try:
+        outs = _build_check_time(cand, rec, full, subsets, sizes, args)
+    finally:
+        rec["wall_s"] = round(time.perf_counter() - t_start, 2)
+        rec["t_end_s"] = round(clock.elapsed(), 1)
+        clock.finished(cand, rec["wall_s"])
+    return rec, outs
+
+
+def _build_check_time(cand: Candidate, rec: dict, full, subsets, sizes, args) -> tuple:
+    if cand.config:
+        rec["config"] = cand.config() if callable(cand.config) else cand.config
     try:
         runner = cand.build()
     except NotAvailable as e:
         rec["status"] = f"not available: {e}"
-        return rec, ()
+        return ()
     except Exception as e:  # a candidate that raises is reported, not fatal
         rec["status"] = f"not available: {type(e).__name__}: {e}"[:1500]
         rec["traceback"] = traceback.format_exc()[-3000:]
-        return rec, ()
+        return ()
     rec["compile_s"] = round(runner.compile_s, 3)
     rec.update(runner.info)
     outs: tuple = ()
@@ -997,30 +1346,36 @@ def run_candidate(
         same = True
         for _ in range(args.repeats - 1):
             again = runner.to_jax(runner.call())
-            same &= all(bool(_bits_equal(a, b)) for a, b in zip(outs, again, strict=True))
+            same &= _all_bits_equal(outs, again)
             del again
         rec["bitwise_repeatable"] = {"runs": args.repeats, "identical": bool(same)}
         if not rec["check"]["ok"] and not args.time_failed:
             rec["status"] = "failed check (not timed)"
-            return rec, outs
+            return outs
+        keep: dict[str, Any] = {}
         rec["timing"] = time_runner(
-            runner, warmup=args.warmup, timed=args.timed, target_sample_s=args.sample_s
+            runner, warmup=args.warmup, timed=args.timed, target_sample_s=args.sample_s, keep=keep
         )
+        last = runner.to_jax(keep.pop("out"))
+        rec["bitwise_repeatable"]["last_timed_run_identical"] = _all_bits_equal(outs, last)
+        del last
         rec["status"] = "ok" if rec["check"]["ok"] else "FAILED CHECK (timed: --time-failed)"
     except Exception as e:
         rec["status"] = f"error: {type(e).__name__}: {e}"[:1500]
         rec["traceback"] = traceback.format_exc()[-3000:]
-    rec["wall_s"] = round(time.perf_counter() - t_start, 2)
-    rec["t_end_s"] = round(clock.elapsed(), 1)
-    return rec, outs
+    return outs
+
+
+def _all_bits_equal(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and all(bool(_bits_equal(x, y)) for x, y in zip(a, b, strict=True))
 
 
 def run_problem(shape: Shape, args, clock: Clock, torch_mod, save: Callable[[dict], None]) -> dict:
-    """All products of one shape; `save(partial_result)` after each product."""
+    """All products of one shape; `save(partial_result)` after every candidate. With a Planner
+    as the clock, the inputs and each product's reference parts are planned steps too."""
     t0 = time.perf_counter()
-    p = make_problem(shape, torch_mod)
-    bench = Bench(args, p)
-    sizes = p.sizes
+    planner = clock if isinstance(clock, Planner) else None
+    sizes = group_sizes_for(shape)
     result: dict[str, Any] = {
         "shape": dataclasses.asdict(shape),
         "routing": (
@@ -1042,21 +1397,60 @@ def run_problem(shape: Shape, args, clock: Clock, torch_mod, save: Callable[[dic
         result["group_sizes"]["all"] = sizes.tolist()
     print(
         f"== {shape.name} M={shape.m} K={shape.k} N={shape.n} G={shape.g} ({shape.routing}); "
-        f"group sizes {result['group_sizes']}",
+        f"group sizes {result['group_sizes']} [t={clock.elapsed():.0f}s]",
         flush=True,
     )
+    setup = planner.step(shape.name, "setup", "inputs") if planner else None
+    skipped = planner.admit(setup) if setup else None
+    if skipped is None and not clock.allows_anything():
+        skipped = f"skipped: time budget ({clock.elapsed():.0f} s of {clock.budget_s:.0f})"
+    if skipped is not None:
+        if planner:
+            planner.skip(shape.name)
+        result["skipped"] = skipped
+        print(f"  {skipped}", flush=True)
+        return result
+    p = make_problem(shape, torch_mod)
+    if setup:
+        planner.finish(setup, time.perf_counter() - t0)
+    bench = Bench(args, p)
     for product in args.products:
         if product == "swiglu" and not shape.gate_up:
             continue
-        if not clock.allows_anything():
-            result["products"][product] = {"skipped": f"time budget ({clock.elapsed():.0f} s)"}
-            continue
         flops, nbytes = product_cost(shape, product)
-        subsets = subset_reference(p, product, cap=args.subset_rows)
-        entry: dict[str, Any] = {"flops": flops, "min_bytes_bf16_out": nbytes, "candidates": []}
-        full, entry["full_reference"] = None, "torch"
+        entry: dict[str, Any] = {"flops": flops, "min_bytes_bf16_out": nbytes}
+        result["products"][product] = entry
+        ref = planner.step(shape.name, product, "reference.py") if planner else None
+        skipped = planner.admit(ref) if ref else None
+        if skipped is None and not clock.allows_anything():
+            skipped = f"skipped: time budget ({clock.elapsed():.0f} s of {clock.budget_s:.0f})"
+        if skipped is not None:
+            if planner:
+                planner.skip(shape.name, product)
+            entry["skipped"] = skipped
+            print(f"  {product:8s} {skipped}", flush=True)
+            save(result)
+            continue
+        t_ref = time.perf_counter()
+        try:
+            subsets = subset_reference(p, product, cap=args.subset_rows)
+        except Exception as e:  # recorded; the other products still run
+            entry["skipped"] = f"error in reference.py parts: {type(e).__name__}: {e}"[:1500]
+            entry["traceback"] = traceback.format_exc()[-3000:]
+            if planner:
+                planner.skip(shape.name, product)
+            print(f"  {product:8s} {entry['skipped'][:200]}", flush=True)
+            save(result)
+            continue
+        entry["reference_s"] = round(time.perf_counter() - t_ref, 2)
+        if ref:
+            planner.finish(ref, entry["reference_s"])
+        entry["candidates"], entry["full_reference"] = [], "torch"
+        full = None
+        if planner:
+            planner.where = (shape.name, product)
         for cand in bench.candidates(product):
-            if full is None and cand.family != "torch":
+            if full is None and cand.family != "torch" and clock.would_allow(cand):
                 # torch did not run (or failed its check): XLA in f32 checks all elements.
                 full = full_reference(p, product)
                 entry["full_reference"] = "xla ragged_dot / reference.tgmm in f32 (no torch)"
@@ -1076,19 +1470,12 @@ def run_problem(shape: Shape, args, clock: Clock, torch_mod, save: Callable[[dic
             if "timing" in rec:
                 rec["tflops"] = flops / (rec["timing"]["median_ms"] * 1e-3) / 1e12
             entry["candidates"].append(rec)
-            torch_ms = next(
-                (
-                    c["timing"]["median_ms"]
-                    for c in entry["candidates"]
-                    if c["family"] == "torch" and "timing" in c
-                ),
-                None,
-            )
-            _print_rec(product, rec, torch_ms)
-        _ratios(entry)
+            _ratios(entry)
+            _print_rec(product, rec, entry["torch_median_ms"])
+            result["wall_s"] = round(time.perf_counter() - t0, 1)
+            save(result)
         if product == "backward":
             _derive_ours_backward(result["products"], entry)
-        result["products"][product] = entry
         del full
         result["wall_s"] = round(time.perf_counter() - t0, 1)
         save(result)
@@ -1097,6 +1484,104 @@ def run_problem(shape: Shape, args, clock: Clock, torch_mod, save: Callable[[dic
     if torch_mod is not None and jax.default_backend() == "gpu":
         torch_mod.cuda.empty_cache()
     return result
+
+
+def rerun_deferred(
+    shape: Shape,
+    args,
+    planner: Planner,
+    torch_mod,
+    result: dict,
+    save: Callable[[dict], None],
+    steps: list[Step],
+) -> None:
+    """The second pass over one shape: `steps`, deferred in the first pass and planned again
+    (with those of every shape, so they compete tier by tier), run if they fit now, each
+    replacing its record in `result`. Costs the inputs again, the reference parts (compiled
+    already) and one torch call per product for the all-elements reference; none of it if
+    nothing fits."""
+    if not steps:
+        return
+    products = [x for x in args.products if any(s.product == x for s in steps)]
+
+    def guess(family: str, kind: str) -> float:
+        seen = planner.measured.get((family, kind))
+        return 1.5 * sum(seen) / len(seen) if seen else STATIC_COST_S[family, kind]
+
+    overhead = guess("setup", "inputs") + len(products) * (
+        guess("reference", "part") + guess("torch", "gemm")
+    )
+    left = planner.budget_s - planner.elapsed()
+    if overhead + min(planner.estimate(s) for s in steps) > left:
+        reason = f"skipped: time budget (second pass: {left:.0f} s left)"
+        _mark_skipped(result, steps, reason)
+        planner.skip(shape.name)
+        save(result)
+        return
+    print(
+        f"== {shape.name}: second pass, {len(steps)} steps [t={planner.elapsed():.0f}s]", flush=True
+    )
+    p = make_problem(shape, torch_mod)
+    bench = Bench(args, p)
+    for product in products:
+        names = {s.name for s in steps if s.product == product}
+        entry = result["products"][product]
+        if not any(planner.fits(s) for s in steps if s.product == product):
+            continue  # skipped below
+        full = None
+        try:
+            subsets = subset_reference(p, product, cap=args.subset_rows)
+            torch_rec = next((c for c in entry["candidates"] if c["family"] == "torch"), None)
+            if torch_rec is not None and torch_rec.get("check", {}).get("ok"):
+                (cand,) = [c for c in bench.candidates(product) if c.name == torch_rec["name"]]
+                runner = cand.build()
+                full = runner.to_jax(runner.call())
+        except Exception as e:  # recorded on the deferred candidates; the others go on
+            reason = f"skipped: second pass could not prepare: {type(e).__name__}: {e}"[:1500]
+            _mark_skipped(result, [s for s in steps if s.product == product], reason)
+            planner.skip(shape.name, product)
+            continue
+        planner.where = (shape.name, product)
+        for cand in bench.candidates(product):
+            if cand.name not in names:
+                continue
+            if full is None and planner.would_allow(cand):
+                full = full_reference(p, product)
+            rec, outs = run_candidate(
+                cand,
+                product=product,
+                full=full,
+                subsets=subsets,
+                sizes=p.sizes,
+                args=args,
+                clock=planner,
+            )
+            del outs
+            rec["second_pass"] = True
+            if "timing" in rec:
+                rec["tflops"] = entry["flops"] / (rec["timing"]["median_ms"] * 1e-3) / 1e12
+            entry["candidates"] = [
+                rec if c["name"] == cand.name else c for c in entry["candidates"]
+            ]
+            _ratios(entry)
+            _print_rec(product, rec, entry["torch_median_ms"])
+            save(result)
+        del full
+    left_over = [s for s in steps if s.state in ("planned", "deferred")]
+    _mark_skipped(result, left_over, "skipped: time budget (second pass)")
+    planner.skip(shape.name)
+    del p, bench
+    if torch_mod is not None and jax.default_backend() == "gpu":
+        torch_mod.cuda.empty_cache()
+    save(result)
+
+
+def _mark_skipped(result: dict, steps: list[Step], reason: str) -> None:
+    keys = {(s.product, s.name) for s in steps}
+    for product, entry in result["products"].items():
+        for c in entry.get("candidates", []):
+            if (product, c["name"]) in keys and c["status"].startswith("deferred"):
+                c["status"] = f"{reason}; first pass: {c['status']}"
 
 
 def _ratios(entry: dict) -> None:
@@ -1115,7 +1600,8 @@ def _ratios(entry: dict) -> None:
 
 
 def _derive_ours_backward(products: dict, entry: dict) -> None:
-    """Our backward as dgrad + wgrad (bf16 out) when no custom_vjp ran."""
+    """Our backward as the sum of the dgrad and wgrad (bf16 out) medians, beside the
+    custom_vjp's own time."""
     dgrad = _find(products.get("dgrad"), "ours mosaic_gpu.gmm(transpose_rhs)")
     wgrad = _find(products.get("wgrad"), "ours tgmm (bf16 out)")
     if dgrad is None or wgrad is None:
@@ -1143,7 +1629,7 @@ def _derive_ours_backward(products: dict, entry: dict) -> None:
 def _find(entry: dict | None, name: str) -> dict | None:
     if not entry:
         return None
-    for c in entry["candidates"]:
+    for c in entry.get("candidates", []):
         if c["name"] == name and "timing" in c:
             return c
     return None
@@ -1246,11 +1732,20 @@ def _fmt_ms(c: dict) -> str:
     return f"{c['timing']['median_ms']:.3f}" if "timing" in c else "-"
 
 
+def _bits_cell(c: dict) -> str:
+    b = c.get("bitwise_repeatable")
+    if b is None:
+        return ""
+    if not b["identical"]:
+        return f"bitwise x{b['runs']}: **NO**"
+    if b.get("last_timed_run_identical") is False:
+        return f"bitwise x{b['runs']}: yes; last timed run: **NO**"
+    return f"bitwise x{b['runs']}: yes"
+
+
 def _status_cell(c: dict) -> str:
-    bits = ""
-    if "bitwise_repeatable" in c:
-        same = "yes" if c["bitwise_repeatable"]["identical"] else "**NO**"
-        bits = f"; bitwise x{c['bitwise_repeatable']['runs']}: {same}"
+    bits = _bits_cell(c)
+    bits = f"; {bits}" if bits else ""
     if c.get("check", {}).get("ok") is False and "parts" in c["check"]:
         worst = [
             f"rel {v['rel_fro']:.1e} vs {k.removeprefix('vs_')}"
@@ -1260,20 +1755,53 @@ def _status_cell(c: dict) -> str:
         ]
         return f"**{c['status']}**: " + ", ".join(worst[:2]) + bits
     if "timing" in c:
-        return "ok" + bits
+        return "ok" + bits + ("; second pass" if c.get("second_pass") else "")
     return c["status"].replace("|", "/")[:200]
 
 
 def design_deviation(shape: dict, entry: dict) -> list[dict]:
+    """DESIGN.md's forward TFLOP/s against this run's, per candidate DESIGN.md names; the same
+    as milliseconds a call (a constant per-call difference shows there)."""
     rows = []
-    for c in entry["candidates"]:
+    for c in entry.get("candidates", []):
         want = shape["design_tflops"].get(c["name"])
         if want is None:
             continue
         got = c.get("tflops")
-        dev = None if got is None else (got - want) / want
-        rows.append({"candidate": c["name"], "design": want, "measured": got, "deviation": dev})
+        row = {
+            "candidate": c["name"],
+            "design": want,
+            "measured": got,
+            "deviation": None if got is None else (got - want) / want,
+            "design_ms": entry["flops"] / (want * 1e12) * 1e3,
+            "measured_ms": c["timing"]["median_ms"] if "timing" in c else None,
+            "status": c["status"],
+        }
+        rows.append(row)
     return rows
+
+
+def _main_candidates(entries: list[dict]) -> list[str]:
+    """Candidate names of a product across shapes, in family order, extras last."""
+    names: dict[str, tuple[int, int]] = {}
+    for entry in entries:
+        for c in entry.get("candidates", []):
+            names.setdefault(c["name"], (int(c.get("extra", False)), FAMILIES.index(c["family"])))
+    return sorted(names, key=lambda n: names[n])
+
+
+def _cell(c: dict | None) -> str:
+    if c is None:
+        return "-"
+    if "tflops" in c:
+        ratio = f" ({c['x_torch']:.2f}x)" if "x_torch" in c else ""
+        fail = " **FAILED CHECK**" if not c.get("check", {}).get("ok", True) else ""
+        return f"{c['tflops']:.1f}{ratio}{fail}"
+    status = c["status"]
+    for short in ("failed check", "not available", "skipped", "deferred", "error"):
+        if status.lower().startswith(short):
+            return short
+    return status[:40]
 
 
 def render_markdown(results: dict) -> str:
@@ -1290,7 +1818,7 @@ def render_markdown(results: dict) -> str:
     if results.get("our_configs"):
         ours = results["our_configs"]
         lines.append(
-            f"- our kernels' tile configs: {ours['source']}"
+            f"- our kernels' tile configs: {ours['source']} (each in 'Tile configs' below)"
             + "".join(
                 f"; {pair}: {best['label']}" for pair, best in ours.get("from_sweep", {}).items()
             )
@@ -1300,11 +1828,26 @@ def render_markdown(results: dict) -> str:
         lines.append(
             "- ceilings measured in this run: "
             + ", ".join(f"{k} = {v:.1f}" for k, v in c.items() if isinstance(v, float))
+            + "".join(f"; {k}: {v}" for k, v in c.items() if not isinstance(v, float))
         )
+    plan = results.get("plan")
+    if plan:
+        tiers = "; ".join(
+            f"tier {k} ({t['what']}): {t['done']} of {t['steps']} steps done (found not "
+            f"available included), {t['skipped']} skipped"
+            for k, t in plan["tiers"].items()
+        )
+        lines.append(
+            f"- time: {results.get('elapsed_s', '-')} s of a {plan['budget_s']:.0f}-s budget "
+            f"from the device command's start (the plan's table estimate: "
+            f"{plan['static_estimate_s']:.0f} s); {tiers}"
+        )
+    if results.get("stopped"):
+        lines.append(f"- **{results['stopped']}**")
     lines += ["", "## Targets (ours against torch, measured side by side)", ""]
     lines += [
         "| shape | forward x torch (>= 1.0) | dgrad x torch (>= 0.9) | wgrad x torch (>= 0.9) "
-        "| backward x torch | swiglu x torch | bitwise x3 (all ours) |",
+        "| backward x torch | swiglu x torch | bitwise (all ours) |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     want = {"forward": 1.0, "dgrad": 0.9, "wgrad": 0.9, "backward": None, "swiglu": None}
@@ -1320,7 +1863,7 @@ def render_markdown(results: dict) -> str:
         for product in PRODUCTS:
             entry = s["products"].get(product)
             if entry is None or "candidates" not in entry:
-                cells.append("-" if entry is None else "skipped (time)")
+                cells.append("-" if entry is None else "skipped")
                 continue
             ours = [c for c in entry["candidates"] if c["family"] == "ours" and not c["extra"]]
             if main[product]:
@@ -1332,32 +1875,100 @@ def render_markdown(results: dict) -> str:
                 if want[product] is not None:
                     mark = " (met)" if best["x_torch"] >= want[product] else " (**missed**)"
                 cells.append(f"{best['x_torch']:.2f}x{mark}")
+            elif any("timing" in c for c in ours):
+                cells.append("no torch time")
             else:
                 cells.append(ours[0]["status"].split(":")[0] if ours else "-")
             for c in entry["candidates"]:
-                if c["family"] == "ours" and "bitwise_repeatable" in c:
-                    bits.append(c["bitwise_repeatable"]["identical"])
-        bit_cell = "-" if not bits else ("yes" if all(bits) else "**NO**")
+                if c["family"] == "ours" and "bitwise_repeatable" in c and c["status"] != "derived":
+                    bits.append(_bits_cell(c))
+        if not bits:
+            bit_cell = "-"
+        elif all(b.endswith(": yes") for b in bits):
+            bit_cell = bits[0].split(":")[0] + ": yes"
+        else:
+            bit_cell = "; ".join(b for b in bits if not b.endswith(": yes"))
+        if s.get("skipped"):
+            cells = ["skipped"] * len(PRODUCTS)
         lines.append(f"| {s['shape']['name']} | " + " | ".join(cells) + f" | {bit_cell} |")
-    lines += ["", "## Baselines against DESIGN.md (forward TFLOP/s; flag: more than 10% off)", ""]
     lines += [
-        "| shape | candidate | DESIGN.md | measured | deviation |",
-        "| --- | --- | --- | --- | --- |",
+        "",
+        "## TFLOP/s (x torch) per product and shape",
+        "",
+        "TFLOP/s = 2*M*K*N (backward: twice that) over the median; in parentheses torch's "
+        "median over the candidate's.",
+    ]
+    for product in PRODUCTS:
+        entries = [s["products"][product] for s in results["shapes"] if product in s["products"]]
+        names = _main_candidates(entries)
+        if not names:
+            continue
+        lines += ["", f"### {product}", ""]
+        lines.append("| shape | " + " | ".join(names) + " |")
+        lines.append("| --- |" + " --- |" * len(names))
+        for s in results["shapes"]:
+            entry = s["products"].get(product)
+            if entry is None:
+                continue
+            by_name = {c["name"]: c for c in entry.get("candidates", [])}
+            row = [_cell(by_name.get(n)) for n in names]
+            if "skipped" in entry:
+                row = ["skipped"] * len(names)
+            lines.append(f"| {s['shape']['name']} | " + " | ".join(row) + " |")
+    lines += [
+        "",
+        "## Baselines against DESIGN.md (forward; flagged: more than 10% off)",
+        "",
+        "| shape | candidate | DESIGN.md TFLOP/s | measured | deviation | DESIGN.md ms "
+        "| measured ms | difference ms |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for s in results["shapes"]:
         entry = s["products"].get("forward")
         if not entry or "candidates" not in entry:
             continue
         for row in design_deviation(s["shape"], entry):
-            got = "-" if row["measured"] is None else f"{row['measured']:.1f}"
             dev = row["deviation"]
-            dev_cell = (
-                "-" if dev is None else f"{dev:+.0%}" + (" **FLAG**" if abs(dev) > 0.10 else "")
-            )
+            if dev is None:
+                got, dev_cell, ms, diff = row["status"].split(":")[0], "-", "-", "-"
+            else:
+                got = f"{row['measured']:.1f}"
+                dev_cell = f"{dev:+.1%}" + (" **FLAG**" if abs(dev) > 0.10 else "")
+                ms = f"{row['measured_ms']:.3f}"
+                diff = f"{row['measured_ms'] - row['design_ms']:+.3f}"
             lines.append(
-                f"| {s['shape']['name']} | {row['candidate']} | {row['design']} | "
-                f"{got} | {dev_cell} |"
+                f"| {s['shape']['name']} | {row['candidate']} | {row['design']} | {got} | "
+                f"{dev_cell} | {row['design_ms']:.3f} | {ms} | {diff} |"
             )
+    lines += [
+        "",
+        "## Tile configs of our kernels",
+        "",
+        "| shape | product | candidate | config | source |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for s in results["shapes"]:
+        for product, entry in s["products"].items():
+            for c in entry.get("candidates", []):
+                if c["family"] == "ours" and c.get("status") != "derived":
+                    config = str(c.get("config", "-")).replace("|", "/")
+                    source = c.get("config_source", "-").replace("|", "/")
+                    lines.append(
+                        f"| {s['shape']['name']} | {product} | {c['name']} | {config} | {source} |"
+                    )
+    skipped = []
+    for s in results["shapes"]:
+        if s.get("skipped"):
+            skipped.append(f"- {s['shape']['name']}: {s['skipped']}")
+            continue
+        for product, entry in s["products"].items():
+            if "skipped" in entry:
+                skipped.append(f"- {s['shape']['name']} {product}: {entry['skipped']}")
+            for c in entry.get("candidates", []):
+                if c["status"].startswith(("skipped", "deferred")):
+                    skipped.append(f"- {s['shape']['name']} {product} {c['name']}: {c['status']}")
+    if skipped:
+        lines += ["", "## Skipped", "", *skipped]
     for s in results["shapes"]:
         sh = s["shape"]
         gs = s["group_sizes"]
@@ -1379,24 +1990,32 @@ def render_markdown(results: dict) -> str:
                 tf = f"{c['tflops']:.1f}" if "tflops" in c else "-"
                 xt = f"{c['x_torch']:.2f}" if "x_torch" in c else "-"
                 name = c["name"] + (" (extra)" if c.get("extra") else "")
-                config = c.get("config", "").replace("|", "/")[:160]
+                config = str(c.get("config", "")).replace("|", "/")
+                if c["family"] == "ours" and config:
+                    config = "see 'Tile configs'"
                 lines.append(
                     f"| {product} | {name} | {_fmt_ms(c)} | {span} | {tf} | {xt} | "
-                    f"{_status_cell(c)} | {config} |"
+                    f"{_status_cell(c)} | {config[:160]} |"
                 )
     return "\n".join(lines) + "\n"
 
 
-def _save_partial(results: dict, index: int, clock, out_dir: pathlib.Path, shape: dict) -> None:
-    results["shapes"][index:] = [shape]
-    results["elapsed_s"] = round(clock.elapsed(), 1)
-    write_results(results, out_dir)
+_WRITE_LOCK = threading.Lock()  # the watchdog's thread writes too
 
 
 def write_results(results: dict, out_dir: pathlib.Path) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "grouped_gemm_h200.json").write_text(json.dumps(results, indent=1, default=str))
-    (out_dir / "grouped_gemm_h200.md").write_text(render_markdown(results))
+    """grouped_gemm_h200.json and .md in out_dir, each replaced whole (a run killed while
+    writing leaves the previous complete file)."""
+    with _WRITE_LOCK:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        texts = {
+            "grouped_gemm_h200.json": json.dumps(results, indent=1, default=str),
+            "grouped_gemm_h200.md": render_markdown(results),
+        }
+        for name, text in texts.items():
+            tmp = out_dir / f".{name}.tmp"
+            tmp.write_text(text)
+            tmp.replace(out_dir / name)
 
 
 def _import_torch(args):
@@ -1425,7 +2044,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--timed", type=int, default=None, help="timed samples (>= 10 on the GPU)")
-    ap.add_argument("--repeats", type=int, default=3, help="runs compared bitwise")
+    ap.add_argument("--repeats", type=int, default=3, help="runs compared bitwise (>= 3)")
     ap.add_argument("--sample-s", type=float, default=None, help="least time of one sample")
     ap.add_argument(
         "--subset-rows",
@@ -1437,13 +2056,35 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--budget-s",
         type=float,
         default=540.0,
-        help="stop starting candidates after this many seconds (extras at 70%%)",
+        help="plan the run to end within this many seconds of --started-at; what does not fit "
+        "is skipped and recorded (default 540: one device call of 600 s)",
+    )
+    ap.add_argument(
+        "--started-at",
+        type=float,
+        default=None,
+        help="when the budget started, in seconds since the epoch (bench/grouped_gemm_h200.sh "
+        "passes its own start, so the wheel install and imports count); default: this "
+        "process's start",
+    )
+    ap.add_argument(
+        "--hard-limit-s",
+        type=float,
+        default=None,
+        help="the watchdog writes the results and exits at this many seconds (default: budget "
+        "+ 45 s, inside the device call's 600 s)",
+    )
+    ap.add_argument(
+        "--plan",
+        action="store_true",
+        help="print the time plan (every step, its tier and estimate) and exit",
     )
     ap.add_argument("--no-ceilings", action="store_true")
     ap.add_argument(
         "--xla-products",
-        default="forward,backward",
-        help="products timed for XLA ragged_dot (its dgrad/wgrad alone cost ~1 min a shape)",
+        default="forward,dgrad,wgrad,backward",
+        help="products timed for XLA ragged_dot (dgrad and wgrad are tier 2: run when time is "
+        "left)",
     )
     ap.add_argument(
         "--configs",
@@ -1479,6 +2120,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.sample_s = (0.0 if args.smoke else 0.005) if args.sample_s is None else args.sample_s
     if args.repeats < 1 or args.timed < 1 or args.warmup < 0:
         ap.error(f"{args.repeats=} and {args.timed=} must be >= 1, {args.warmup=} >= 0")
+    if not args.smoke and (args.repeats < 3 or args.timed < 10):
+        ap.error(
+            f"issue 4's method: --repeats >= 3 and --timed >= 10 (got {args.repeats}, "
+            f"{args.timed}); --smoke for a quick run"
+        )
+    if args.budget_s <= 0:
+        ap.error(f"--budget-s must be > 0, got {args.budget_s}")
+    if args.started_at is None:
+        args.started_at = PROCESS_START
+    if args.hard_limit_s is None:
+        args.hard_limit_s = args.budget_s + 45.0
+    if args.hard_limit_s < args.budget_s:
+        ap.error(f"--hard-limit-s {args.hard_limit_s} must be >= --budget-s {args.budget_s}")
     args.sweep_configs = {}
     if args.configs is not None:
         from bench import gmm_sweep  # here: gmm_sweep imports this module
@@ -1490,20 +2144,59 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+def render_plan(planner: Planner) -> str:
+    """The plan as text: one line a step, then the estimate per tier."""
+    lines = [f"{'tier':4s} {'est s':>6s}  {'shape':26s} {'product':9s} step"]
+    for s in planner.steps:
+        lines.append(f"{s.tier:4d} {s.static_s:6.1f}  {s.shape:26s} {s.product:9s} {s.name}")
+    summary = planner.summary()
+    for tier, t in summary["tiers"].items():
+        lines.append(f"tier {tier} ({t['what']}): {t['steps']} steps, ~{t['planned_s']:.0f} s")
+    lines.append(
+        f"total ~{summary['static_estimate_s']:.0f} s of {planner.budget_s:.0f} s (from the "
+        f"device command's start; the table's estimates, before any calibration)"
+    )
+    return "\n".join(lines)
+
+
+def run_ceilings(planner: Planner, results: dict, torch_mod) -> None:
+    step = planner.step("", "ceilings", "ceilings")
+    if step is None:
+        return
+    skipped = planner.admit(step)
+    if skipped is not None:
+        results["ceilings"] = {"status": skipped}
+        return
+    t0 = time.perf_counter()
+    try:
+        results["ceilings"] = measure_ceilings(torch_mod)
+    except Exception as e:
+        results["ceilings"] = {"error": repr(e)}
+    planner.finish(step, time.perf_counter() - t0)
+    print("ceilings:", results["ceilings"], flush=True)
+
+
 def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
-    clock = Clock(args.budget_s)
     torch_mod = _import_torch(args)
+    on_gpu = jax.default_backend() == "gpu"
+    steps = plan_steps(args, torch_mod, ceilings=(on_gpu or args.plan) and not args.no_ceilings)
+    clock = Planner(args.budget_s, steps, started_at=args.started_at)
+    if args.plan:
+        print(render_plan(clock), flush=True)
+        return {"plan": clock.summary(), "steps": [dataclasses.asdict(s) for s in steps]}
     results: dict[str, Any] = {
         "environment": environment(torch_mod, args),
         "method": (
             f"bf16 random data; checked first (vs torch, all elements; vs reference.py f32 on "
             f"the first/middle/last/largest groups; |err| <= 2^-6 (|ref| + rms ref)); "
-            f"{args.repeats} runs compared bitwise; {args.warmup} warm-up + 1 calibration "
-            f"call, then median of {args.timed} samples of >= {args.sample_s * 1e3:.0f} ms "
+            f"{args.repeats} runs compared bitwise, and the last timed run against the first; "
+            f"{args.warmup} warm-up + 1 calibration call (a call over "
+            f"{SLOW_CALL_S * 1e3:.0f} ms: 1 warm-up, no calibration), then median of "
+            f"{args.timed} samples of >= {args.sample_s * 1e3:.0f} ms "
             f"(back-to-back calls between two syncs, host clock); TFLOP/s = 2*M*K*N / median"
             + (" (backward: twice that)" if "backward" in args.products else "")
-            + f"; XLA ragged_dot timed for {','.join(args.xla_products)} only"
+            + f"; XLA ragged_dot timed for {','.join(args.xla_products)}"
             + (
                 "; SMOKE RUN (tiny shapes, interpret mode): no number here means anything"
                 if args.smoke
@@ -1526,22 +2219,48 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 for (product, shape), best in args.sweep_configs.items()
             },
         },
+        "plan": clock.summary(),
         "shapes": [],
     }
     print(json.dumps(results["environment"], indent=1), flush=True)
-    if jax.default_backend() == "gpu" and not args.no_ceilings:
+    for line in render_plan(clock).splitlines()[-(len(TIERS) + 1) :]:
+        print("plan:", line, flush=True)
+
+    def save(index: int, shape_result: dict) -> None:
+        shapes = results["shapes"]
+        shapes[index : index + 1] = [shape_result]  # the shape's own place (appended when new)
+        results["elapsed_s"] = round(clock.elapsed(), 1)
+        results["plan"] = clock.summary()
+        write_results(results, args.out)
+
+    def stop(reason: str) -> None:
         try:
-            results["ceilings"] = measure_ceilings(torch_mod)
-        except Exception as e:
-            results["ceilings"] = {"error": repr(e)}
-        print("ceilings:", results["ceilings"], flush=True)
-    for shape in args.shape_list:
-        if not clock.allows_anything():
-            results.setdefault("shapes_skipped", []).append(shape.name)
-            continue
-        save = functools.partial(_save_partial, results, len(results["shapes"]), clock, args.out)
-        save(run_problem(shape, args, clock, torch_mod, save))
-    write_results(results, args.out)
+            results["stopped"] = reason
+            results["elapsed_s"] = round(clock.elapsed(), 1)
+            results["plan"] = clock.summary()
+            write_results(results, args.out)
+        finally:
+            print(reason, flush=True)
+            os._exit(3)
+
+    watchdog = Watchdog(clock, args.hard_limit_s, stop).start()
+    try:
+        run_ceilings(clock, results, torch_mod)
+        for index, shape in enumerate(args.shape_list):
+            save(index, run_problem(shape, args, clock, torch_mod, functools.partial(save, index)))
+        again = clock.plan_deferred_again()
+        if again:
+            print(f"second pass: {sum(map(len, again.values()))} deferred steps", flush=True)
+        if "" in again:
+            run_ceilings(clock, results, torch_mod)
+        for index, shape in enumerate(args.shape_list):
+            result, resave = results["shapes"][index], functools.partial(save, index)
+            rerun_deferred(shape, args, clock, torch_mod, result, resave, again.get(shape.name, []))
+        results["elapsed_s"] = round(clock.elapsed(), 1)
+        results["plan"] = clock.summary()
+        write_results(results, args.out)
+    finally:
+        watchdog.cancel()
     print(f"wrote {args.out}/grouped_gemm_h200.{{json,md}} after {clock.elapsed():.0f} s")
     return results
 

@@ -1,9 +1,13 @@
 """The grouped-GEMM benchmark harness (bench/grouped_gemm_h200.py) on CPU: routing, the check,
-and a smoke run of the baselines that run here (XLA ragged_dot; torch where installed)."""
+the time plan and its watchdog, the markdown, and smoke runs of what runs here (XLA ragged_dot,
+our kernels in GPU interpret mode; torch where installed)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -65,11 +69,56 @@ def test_smoke_run_checks_times_and_writes(tmp_path):
             xla = [c for c in entry["candidates"] if c["family"] == "xla"]
             assert xla and all(c["status"] == "ok" for c in xla), xla
             for c in xla:
-                assert c["check"]["ok"] and c["bitwise_repeatable"]["identical"]
+                assert c["check"]["ok"]
+                assert c["bitwise_repeatable"] == {
+                    "runs": 3,
+                    "identical": True,
+                    "last_timed_run_identical": True,
+                }
                 assert all("vs_full_reference" in part for part in c["check"]["parts"])
                 assert c["timing"]["samples"] == 2 and c["timing"]["median_ms"] > 0
+    tiers = on_disk["plan"]["tiers"]
+    assert sum(t["skipped"] for t in tiers.values()) == 0
+    assert sum(t["done"] for t in tiers.values()) == sum(t["steps"] for t in tiers.values())
     text = (tmp_path / "grouped_gemm_h200.md").read_text()
-    assert "## Targets" in text and "## smoke_uniform" in text
+    assert "## Targets" in text and "## smoke_uniform" in text and "### wgrad" in text
+
+
+@pytest.mark.slow
+def test_a_run_short_of_time_skips_and_records_the_baselines(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "XLA_COMPILE_S", 1e4)  # no XLA candidate fits the budget
+    out = ["--out", str(tmp_path), "--families", "xla", "--budget-s", "600"]
+    results = bench.main([*SMOKE, *out])
+    recs = [
+        c
+        for s in results["shapes"]
+        for entry in s["products"].values()
+        for c in entry["candidates"]
+    ]
+    assert [s["shape"]["name"] for s in results["shapes"]] == ["smoke_uniform", "smoke_zipf1.2"]
+    assert len(recs) == 8
+    for c in recs:  # deferred by the first pass, skipped by the second
+        assert c["status"].startswith("skipped: time budget (second pass: "), c
+        assert "; first pass: deferred: time budget (needs ~10000 s" in c["status"]
+    assert all("reference_s" in e for s in results["shapes"] for e in s["products"].values())
+    tiers = results["plan"]["tiers"]
+    assert tiers["0"]["skipped"] == 0 and tiers["1"]["skipped"] + tiers["2"]["skipped"] == 8
+    text = (tmp_path / "grouped_gemm_h200.md").read_text()
+    assert "## Skipped" in text and "smoke_zipf1.2 backward xla ragged_dot VJP: skipped" in text
+
+
+@pytest.mark.slow
+def test_smoke_run_of_our_forward_kernel_in_interpret_mode(tmp_path):
+    args = ["--smoke", "--no-ceilings", "--families", "ours", "--products", "forward"]
+    out = ["--shapes", "smoke_zipf1.2", "--timed", "1", "--out", str(tmp_path)]
+    results = bench.main([*args, *out])
+    entry = results["shapes"][0]["products"]["forward"]
+    (mosaic,) = [c for c in entry["candidates"] if c["name"] == "ours mosaic_gpu.gmm"]
+    assert mosaic["status"] == "ok", mosaic
+    assert mosaic["check"]["ok"] and mosaic["check"]["parts"][0]["vs_full_reference"]["ok"]
+    assert mosaic["bitwise_repeatable"]["identical"]
+    assert mosaic["config"].startswith("TileConfig(")
+    assert mosaic["config_source"] == "defaults table (config=None)"
 
 
 @pytest.mark.slow
@@ -90,3 +139,226 @@ def test_a_wrong_candidate_fails_its_check_and_is_not_timed(tmp_path, monkeypatc
     (rec,) = results["shapes"][0]["products"]["forward"]["candidates"]
     assert rec["status"] == "failed check (not timed)" and "timing" not in rec
     assert not rec["check"]["parts"][0]["vs_reference_subset"]["ok"]
+
+
+def _steps(*specs):
+    """Steps (tier, static seconds) of one shape and product, in run order."""
+    return [
+        bench.Step("s", "forward", f"c{i}", "torch", tier, "gemm", est)
+        for i, (tier, est) in enumerate(specs)
+    ]
+
+
+def test_planner_holds_time_for_higher_tiers_and_learns_from_what_ran():
+    steps = _steps((2, 10.0), (0, 30.0), (1, 10.0))
+    planner = bench.Planner(50.0, steps)
+    planner.defer = False  # as in the second pass (the first defers: tested below)
+    # The extra (tier 2) needs 10 s, but tiers 0 and 1 still need 40 s of the 50: skipped.
+    reason = planner.admit(steps[0])
+    assert reason is not None and reason.startswith("skipped: time budget")
+    assert "40 s held for tiers < 2" in reason and steps[0].state == "skipped"
+    assert planner.admit(steps[1]) is None and steps[1].state == "running"
+    planner.finish(steps[1], 2.0)
+    # Measured 2 s for (torch, gemm): 1.5x that replaces the table's 10 s for the next one.
+    assert planner.estimate(steps[2]) == pytest.approx(3.0)
+    assert planner.admit(steps[2]) is None
+    summary = planner.summary()
+    assert summary["tiers"]["2"]["skipped"] == 1 and summary["tiers"]["0"]["done"] == 1
+    assert summary["static_estimate_s"] == 50.0
+
+
+def test_planner_skips_what_would_end_past_the_budget():
+    steps = _steps((0, 30.0))
+    planner = bench.Planner(100.0, steps, started_at=time.time() - 80.0)  # 20 s left
+    assert not planner.fits(steps[0])
+    assert planner.admit(steps[0]).startswith("skipped: time budget (needs ~30 s; 20 s of 100")
+
+
+def test_the_plan_of_the_full_run_lists_every_candidate_by_tier():
+    plan = bench.main(["--plan"])
+    steps = {(s["shape"], s["product"], s["name"]): s for s in plan["steps"]}
+    shapes = [s.name for s in bench.SHAPES]
+    assert {s["shape"] for s in plan["steps"]} == {"", *shapes}
+    for shape in shapes:
+        assert steps[shape, "forward", "torch._grouped_mm"]["tier"] == 0
+        assert steps[shape, "forward", "ours mosaic_gpu.gmm"]["tier"] == 0
+        assert steps[shape, "wgrad", "ours tgmm (bf16 out)"]["tier"] == 0
+        assert steps[shape, "forward", "xla ragged_dot"]["tier"] == 1
+        assert steps[shape, "dgrad", "xla ragged_dot"]["tier"] == 2
+        assert steps[shape, "forward", "ours triton.gmm"]["tier"] == 2
+    # XLA's weight gradient at qwen3 gate_up needs 120 GiB of dense operands: refused, ~1 s.
+    assert steps["qwen3_gate_up", "wgrad", "xla ragged_dot"]["static_s"] == 1.0
+    assert steps["mixtral_gate_up", "wgrad", "xla ragged_dot"]["static_s"] > bench.XLA_COMPILE_S
+    # One reference step per product, none for backward (dgrad's and wgrad's parts serve it).
+    assert ("qwen3_down", "backward", "reference.py") not in steps
+    assert steps["qwen3_down", "wgrad", "reference.py"]["units"] == 1
+    total = sum(s["static_s"] for s in plan["steps"])
+    assert plan["plan"]["static_estimate_s"] == pytest.approx(total, abs=0.1)
+
+
+def test_a_slow_call_is_its_own_warm_up_and_keeps_its_samples():
+    calls = []
+
+    def call():
+        calls.append(time.perf_counter())
+        time.sleep(bench.SLOW_CALL_S * 1.2)
+        return len(calls)
+
+    runner = bench.Runner(call=call, sync=lambda _: None, to_jax=None, compile_s=0.0, info={})
+    keep = {}
+    timing = bench.time_runner(runner, warmup=3, timed=10, target_sample_s=0.005, keep=keep)
+    assert len(calls) == 11 and timing["warmup"] == 1 and timing["samples"] == 10
+    assert timing["reps_per_sample"] == 1 and keep["out"] == 11
+
+
+def test_the_watchdog_stops_the_run_naming_the_running_step():
+    (step,) = _steps((0, 1.0))
+    planner = bench.Planner(10.0, [step])
+    assert planner.admit(step) is None
+    stopped = threading.Event()
+    reasons = []
+
+    def stop(reason):
+        reasons.append(reason)
+        stopped.set()
+
+    bench.Watchdog(planner, planner.elapsed() + 0.05, stop).start()
+    assert stopped.wait(10.0)
+    assert reasons[0].startswith("stopped by the watchdog at ")
+    assert reasons[0].endswith("while running: s forward c0")
+
+
+def _forward_result(**candidates):
+    shape = bench.SHAPES[0]  # qwen3 gate_up: DESIGN.md has torch 655, tokamax 280
+    flops, _ = bench.product_cost(shape, "forward")
+    recs = []
+    for name, (family, tflops, extra) in candidates.items():
+        ms = flops / (tflops * 1e12) * 1e3
+        rec = {
+            "name": name,
+            "family": family,
+            "extra": extra,
+            "status": "ok",
+            "check": {"ok": True},
+            "timing": {"median_ms": ms, "min_ms": ms, "max_ms": ms},
+            "tflops": tflops,
+            "bitwise_repeatable": {"runs": 3, "identical": True, "last_timed_run_identical": True},
+        }
+        if family == "ours":
+            rec["config"] = "TileConfig(block_m=128, block_n=256)"
+            rec["config_source"] = "defaults table (config=None)"
+        recs.append(rec)
+    entry = {"flops": flops, "candidates": recs}
+    bench._ratios(entry)
+    env = {
+        key: "-"
+        for key in ("command", "device_command", "date_utc", "device", "backend", "jax", "torch")
+    }
+    env.update(tokamax="-", triton="-", git_commit="-")
+    return {
+        "environment": env,
+        "method": "-",
+        "shapes": [
+            {
+                "shape": dataclasses.asdict(shape),
+                "routing": "-",
+                "group_sizes": {"min": 1, "median": 1.0, "max": 1, "empty": 0},
+                "products": {
+                    "forward": entry,
+                    "dgrad": {"flops": flops, "skipped": "skipped: time budget (test)"},
+                },
+            }
+        ],
+    }
+
+
+def test_markdown_tables_ratios_configs_and_design_deviation():
+    results = _forward_result(
+        **{
+            "torch._grouped_mm": ("torch", 700.0, False),  # +6.9% of 655: not flagged
+            "ours mosaic_gpu.gmm": ("ours", 770.0, False),  # 1.10x torch
+            "tokamax mosaic": ("tokamax", 200.0, False),  # -28.6% of 280: flagged
+        }
+    )
+    text = bench.render_markdown(results)
+    assert "| qwen3_gate_up | 1.10x (met) | skipped |" in text
+    assert "bitwise x3: yes |" in text
+    assert "| qwen3_gate_up | 700.0 (1.00x) | 770.0 (1.10x) | 200.0 (0.29x) |" in text
+    rows = [line for line in text.splitlines() if line.startswith("| qwen3_gate_up | torch.")]
+    assert rows and "+6.9%" in rows[0] and "FLAG" not in rows[0]
+    (tokamax,) = [line for line in text.splitlines() if "| tokamax mosaic | 280 |" in line]
+    assert "-28.6% **FLAG**" in tokamax
+    design_ms, measured_ms = (float(x) for x in tokamax.split(" | ")[5:7])
+    assert measured_ms / design_ms == pytest.approx(280 / 200, rel=1e-3)
+    assert "| qwen3_gate_up | forward | ours mosaic_gpu.gmm | TileConfig(block_m=128" in text
+    assert "- qwen3_gate_up dgrad: skipped: time budget (test)" in text
+
+
+def test_markdown_flags_a_kernel_that_is_slower_or_not_repeatable():
+    results = _forward_result(
+        **{
+            "torch._grouped_mm": ("torch", 700.0, False),
+            "ours mosaic_gpu.gmm": ("ours", 350.0, False),
+        }
+    )
+    entry = results["shapes"][0]["products"]["forward"]
+    entry["candidates"][1]["bitwise_repeatable"]["last_timed_run_identical"] = False
+    text = bench.render_markdown(results)
+    assert "| qwen3_gate_up | 0.50x (**missed**) |" in text
+    assert "bitwise x3: yes; last timed run: **NO** |" in text
+
+
+def test_the_first_pass_defers_baselines_and_the_second_plans_them_again():
+    steps = _steps((0, 30.0), (1, 10.0), (2, 5.0))
+    planner = bench.Planner(35.0, steps)
+    assert planner.admit(steps[2]).startswith("deferred: time budget (needs ~5 s + 40 s held")
+    assert planner.admit(steps[1]).startswith("deferred: time budget")
+    assert planner.admit(steps[0]) is None  # tier 0 is never deferred
+    planner.finish(steps[0], 20.0)
+    assert planner.summary()["tiers"]["1"]["deferred"] == 1
+    again = planner.plan_deferred_again()
+    assert again == {"s": [steps[1], steps[2]]}
+    assert all(s.state == "planned" for s in again["s"])
+    # No more deferring: the tier-2 step holds time for the tier-1 one, and does not fit.
+    assert planner.admit(steps[2]).startswith("skipped: time budget")
+    assert planner.admit(steps[1]) is None
+
+
+def _first_pass(tmp_path, budget_s):
+    flags = ["--smoke", "--no-ceilings", "--families", "xla", "--shapes", "smoke_zipf1.2"]
+    args = bench.parse_args([*flags, "--products", "forward,wgrad", "--out", str(tmp_path)])
+    args.torch_missing = "not installed here"
+    planner = bench.Planner(budget_s, bench.plan_steps(args, None, ceilings=False))
+    shape = args.shape_list[0]
+    result = bench.run_problem(shape, args, planner, None, lambda _: None)
+    # As if the first pass had deferred XLA's wgrad: its step and its record.
+    step = planner.step(shape.name, "wgrad", "xla ragged_dot")
+    step.state = "deferred"
+    entry = result["products"]["wgrad"]
+    (rec,) = entry["candidates"]
+    assert rec["status"] == "ok"
+    entry["candidates"] = [{**rec, "status": "deferred: time budget (test)"}]
+    return args, planner, shape, result, step
+
+
+@pytest.mark.slow
+def test_the_second_pass_runs_what_was_deferred_and_replaces_its_record(tmp_path):
+    args, planner, shape, result, step = _first_pass(tmp_path, 600.0)
+    again = planner.plan_deferred_again()
+    saved = []
+    bench.rerun_deferred(shape, args, planner, None, result, saved.append, again[shape.name])
+    (rec,) = result["products"]["wgrad"]["candidates"]
+    assert rec["status"] == "ok" and rec["second_pass"] and rec["check"]["ok"]
+    assert rec["bitwise_repeatable"]["identical"] and step.state == "done" and saved
+
+
+@pytest.mark.slow
+def test_the_second_pass_records_what_still_does_not_fit(tmp_path):
+    args, planner, shape, result, step = _first_pass(tmp_path, 600.0)
+    planner.budget_s = planner.elapsed() + 1.0  # the compile estimate alone is 18 s
+    again = planner.plan_deferred_again()
+    bench.rerun_deferred(shape, args, planner, None, result, lambda _: None, again[shape.name])
+    (rec,) = result["products"]["wgrad"]["candidates"]
+    assert rec["status"].startswith("skipped: time budget (second pass: ")
+    assert rec["status"].endswith("first pass: deferred: time budget (test)")
+    assert step.state == "skipped"
