@@ -102,7 +102,8 @@ def test_a_run_short_of_time_skips_and_records_the_baselines(tmp_path, monkeypat
         assert "; first pass: deferred: time budget (needs ~10000 s" in c["status"]
     assert all("reference_s" in e for s in results["shapes"] for e in s["products"].values())
     tiers = results["plan"]["tiers"]
-    assert tiers["0"]["skipped"] == 0 and tiers["1"]["skipped"] + tiers["2"]["skipped"] == 8
+    assert tiers["0"]["skipped"] == 0
+    assert [tiers[t]["skipped"] for t in "123"] == [2, 2, 4]  # forward; backward; dgrad, wgrad
     text = (tmp_path / "grouped_gemm_h200.md").read_text()
     assert "## Skipped" in text and "smoke_zipf1.2 backward xla ragged_dot VJP: skipped" in text
 
@@ -184,11 +185,14 @@ def test_the_plan_of_the_full_run_lists_every_candidate_by_tier():
         assert steps[shape, "forward", "ours mosaic_gpu.gmm"]["tier"] == 0
         assert steps[shape, "wgrad", "ours tgmm (bf16 out)"]["tier"] == 0
         assert steps[shape, "forward", "xla ragged_dot"]["tier"] == 1
-        assert steps[shape, "dgrad", "xla ragged_dot"]["tier"] == 2
-        assert steps[shape, "forward", "ours triton.gmm"]["tier"] == 2
+        assert steps[shape, "dgrad", "xla ragged_dot"]["tier"] == 3
+        assert steps[shape, "dgrad", "tokamax mosaic"]["tier"] == 2
+        assert steps[shape, "forward", "ours triton.gmm"]["tier"] == 3
     # XLA's weight gradient at qwen3 gate_up needs 120 GiB of dense operands: refused, ~1 s.
     assert steps["qwen3_gate_up", "wgrad", "xla ragged_dot"]["static_s"] == 1.0
-    assert steps["mixtral_gate_up", "wgrad", "xla ragged_dot"]["static_s"] > bench.XLA_COMPILE_S
+    # Measured before at mixtral (1.25x that wall); never at dsv3 down (compile + its calls).
+    assert steps["mixtral_gate_up", "wgrad", "xla ragged_dot"]["static_s"] == 1.25 * 3.9
+    assert steps["dsv3_ep8_down", "wgrad", "xla ragged_dot"]["static_s"] > bench.XLA_COMPILE_S
     # One reference step per product, none for backward (dgrad's and wgrad's parts serve it).
     assert ("qwen3_down", "backward", "reference.py") not in steps
     assert steps["qwen3_down", "wgrad", "reference.py"]["units"] == 1
