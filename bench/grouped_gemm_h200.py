@@ -1345,7 +1345,10 @@ def run_candidate(
 
 def _build_check_time(cand: Candidate, rec: dict, full, subsets, sizes, args) -> tuple:
     if cand.config:
-        rec["config"] = cand.config() if callable(cand.config) else cand.config
+        try:
+            rec["config"] = cand.config() if callable(cand.config) else cand.config
+        except Exception as e:  # e.g. the module does not import: build() reports it
+            rec["config"] = f"could not describe it: {e!r}"[:300]
     try:
         runner = cand.build()
     except NotAvailable as e:
@@ -1430,7 +1433,15 @@ def run_problem(shape: Shape, args, clock: Clock, torch_mod, save: Callable[[dic
         result["skipped"] = skipped
         print(f"  {skipped}", flush=True)
         return result
-    p = make_problem(shape, torch_mod)
+    try:
+        p = make_problem(shape, torch_mod)
+    except Exception as e:  # recorded; the other shapes still run
+        result["skipped"] = f"error making the inputs: {type(e).__name__}: {e}"[:1500]
+        result["traceback"] = traceback.format_exc()[-3000:]
+        if planner:
+            planner.skip(shape.name)
+        print(f"  {result['skipped'][:200]}", flush=True)
+        return result
     if setup:
         planner.finish(setup, time.perf_counter() - t0)
     bench = Bench(args, p)
@@ -2253,13 +2264,18 @@ def main(argv: Sequence[str] | None = None) -> dict:
         write_results(results, args.out)
 
     def stop(reason: str) -> None:
+        print(reason, flush=True)
         try:
             results["stopped"] = reason
-            results["elapsed_s"] = round(clock.elapsed(), 1)
-            results["plan"] = clock.summary()
-            write_results(results, args.out)
+            for _ in range(3):  # the main thread may be changing `results` right now
+                try:
+                    results["elapsed_s"] = round(clock.elapsed(), 1)
+                    results["plan"] = clock.summary()
+                    write_results(results, args.out)
+                    break
+                except RuntimeError:
+                    time.sleep(0.2)
         finally:
-            print(reason, flush=True)
             os._exit(3)
 
     watchdog = Watchdog(clock, args.hard_limit_s, stop).start()

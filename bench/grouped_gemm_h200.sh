@@ -12,12 +12,13 @@ set -uo pipefail
 started_at="$(date +%s.%N)"
 out="${OUT:-bench-out}"
 mkdir -p "$out"
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
+if ! compgen -G ".whl/*.whl" >/dev/null; then
+  echo "no .whl/: tokamax will be reported as not available" >&2
+elif python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl; then
   export PYTHONPATH="/tmp/site"
 else
-  echo "no .whl/: tokamax will be reported as not available" >&2
+  echo "installing .whl/ failed: tokamax will be reported as not available" >&2
 fi
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 {
