@@ -113,6 +113,15 @@ def candidates(product: str, shape: gg.Shape, *, smoke: bool = False) -> list[Tr
 
     if product in ("forward", "dgrad", "swiglu"):
         add(
+            "split_m",
+            "consumers split the tile's rows, not its columns: each runs m64 x n256 wgmma "
+            "(m64 x n128 for swiglu's two products) reading its 64 lhs rows once a step, where "
+            "the column split runs twice as many m64 x n128 (n64) instructions that each "
+            "re-read all 128 rows: less shared-memory traffic per FLOP (what CUTLASS's "
+            "cooperative 128x256 kernels do)",
+            consumer_dim="m",
+        )
+        add(
             "order_n1",
             "tiles along N first, width 1 (the default before the m/16 bands; measured 599 and "
             "542 TFLOP/s forward at the qwen3 shapes, where m/16 was never measured)",

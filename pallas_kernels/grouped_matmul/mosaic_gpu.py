@@ -12,7 +12,8 @@ that share a ring of `max_concurrent_steps` shared-memory stages. The producer T
 program, in order, and runs ahead of the consumers by up to a full ring, across tile
 boundaries: the next tile's first stages load while the consumers finish the current one and
 run its epilogue. The consumers issue wgmma into f32 register accumulators, each owning
-block_n // num_consumers columns of the tile; the epilogue (SwiGLU, row scale, cast) runs on
+block_n // num_consumers columns of the tile or, with consumer_dim "m", block_m //
+num_consumers of its rows; the epilogue (SwiGLU, row scale, cast) runs on
 the accumulators and TMA-stores through shared memory.
 
 Invariants (numbered; the tests check each):
@@ -165,7 +166,8 @@ def _kernel(
     scale_ref = refs[num_rhs] if has_row_scale else None
     out_ref = refs[-1]
     block_m, block_n, block_k = config.block_m, config.block_n, config.block_k
-    consumer_n = config.consumer_n
+    consumer_m, consumer_n = config.consumer_m, config.consumer_n
+    split_m = config.consumer_dim == "m"
     num_consumers = config.num_consumers
     stages = config.max_concurrent_steps
     delay = config.delay_release
@@ -274,11 +276,14 @@ def _kernel(
                 plgpu.barrier_wait(consumed.at[lax.rem(step, stages)])
 
         # 2. The consumers: wgmma over the K steps into f32 accumulators (invariant 3), each
-        #    warpgroup its own columns, then the epilogue.
+        #    warpgroup its own rows (consumer_dim "m") or columns ("n"), then the epilogue.
         @pl.when(wg < num_consumers)
         def _consumers():
             plgpu.set_max_registers(_consumer_registers(num_consumers), action="increase")
-            cols = pl.ds(wg * consumer_n, consumer_n)
+            # This consumer's part of the tile: rows [row_off, row_off + consumer_m) and
+            # columns [col_off, col_off + consumer_n).
+            row_off = pl.multiple_of(wg * consumer_m, 64) if split_m else 0
+            col_off = 0 if split_m else wg * consumer_n
 
             def store_sub_tile(slot, value, dst, first, end):
                 """TMA-stores rows [first, end) of one [epi_m, epi_n] sub-tile through `slot`
@@ -305,23 +310,24 @@ def _kernel(
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
             def epilogue(out_f32, row0, lo, hi, ni):
-                """Stores tile rows [lo, hi) of this warpgroup's [block_m, consumer_n] columns,
+                """Stores tile rows [lo, hi) of this consumer's [consumer_m, consumer_n] part,
                 in [epi_m, epi_n] sub-tiles through two shared-memory slots (invariant 2)."""
                 out_cast = out_f32.astype(out_dtype)
                 # The previous tile's stores must have read the buffers before they are reused.
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                col0 = ni * block_n + wg * consumer_n
+                col0 = ni * block_n + col_off
                 sub = 0
-                for mi in range(block_m // epi_m):
+                for mi in range(consumer_m // epi_m):
                     for nj in range(consumer_n // epi_n):
                         store_sub_tile(
                             sub % 2,
                             out_cast[mi * epi_m : (mi + 1) * epi_m, nj * epi_n : (nj + 1) * epi_n],
                             out_ref.at[
-                                pl.ds(row0 + mi * epi_m, epi_m), pl.ds(col0 + nj * epi_n, epi_n)
+                                pl.ds(row0 + row_off + mi * epi_m, epi_m),
+                                pl.ds(col0 + nj * epi_n, epi_n),
                             ],
-                            jnp.clip(lo - mi * epi_m, 0, epi_m),
-                            jnp.clip(hi - mi * epi_m, 0, epi_m),
+                            jnp.clip(lo - row_off - mi * epi_m, 0, epi_m),
+                            jnp.clip(hi - row_off - mi * epi_m, 0, epi_m),
                         )
                         sub += 1
 
@@ -337,12 +343,18 @@ def _kernel(
                         step = step0 + k
                         slot = lax.rem(step, stages)
                         plgpu.barrier_wait(loaded.at[slot])
+                        lhs_tile = lhs_smem.at[slot]
+                        if split_m:
+                            lhs_tile = lhs_tile.at[pl.ds(row_off, consumer_m)]
                         for acc, rhs_smem in zip(accs, rhs_smems, strict=True):
+                            rhs_tile = rhs_smem.at[slot]
                             if transpose_rhs:
-                                rhs_tile = rhs_smem.at[slot].at[cols, :].transpose((1, 0))
-                            else:
-                                rhs_tile = rhs_smem.at[slot].at[:, cols]
-                            plgpu.wgmma(acc, lhs_smem.at[slot], rhs_tile)
+                                if not split_m:
+                                    rhs_tile = rhs_tile.at[pl.ds(col_off, consumer_n), :]
+                                rhs_tile = rhs_tile.transpose((1, 0))
+                            elif not split_m:
+                                rhs_tile = rhs_tile.at[:, pl.ds(col_off, consumer_n)]
+                            plgpu.wgmma(acc, lhs_tile, rhs_tile)
                         # Invariant 5: a stage is released once the wgmmas reading it are done.
                         plgpu.wgmma_wait(delay)
                         if delay:
@@ -369,7 +381,7 @@ def _kernel(
                             (out_f32,) = values
                         if has_row_scale:
                             scale = plgpu.load(
-                                scale_ref.at[pl.ds(row0, block_m)],
+                                scale_ref.at[pl.ds(row0 + row_off, consumer_m)],
                                 layout=plgpu.Layout.WGMMA.reduce(1),
                                 optimized=False,
                             )
@@ -378,14 +390,14 @@ def _kernel(
 
                     pl.run_scoped(
                         acc_scope,
-                        *[plgpu.ACC((block_m, consumer_n), jnp.float32) for _ in range(num_rhs)],
+                        *[plgpu.ACC((consumer_m, consumer_n), jnp.float32) for _ in range(num_rhs)],
                     )
 
                 # (b) Rows of no group: the consumers store zeros (invariant 2).
                 @pl.when(stores & (group == num_groups))
                 def _zero_tile():
                     zeros = plgpu.layout_cast(
-                        jnp.zeros((block_m, consumer_n), jnp.float32), plgpu.Layout.WGMMA
+                        jnp.zeros((consumer_m, consumer_n), jnp.float32), plgpu.Layout.WGMMA
                     )
                     epilogue(zeros, row0, lo, hi, ni)
 
@@ -435,8 +447,12 @@ def _default_config(
         raise ValueError(f"N={n} must be a multiple of 64")
     while n % config.block_n:
         block_n = config.block_n // 2 if config.block_n > 128 else 64
-        consumers = config.num_consumers if block_n >= 128 else 1
-        epi_n = min(config.epilogue_tile[1], block_n // consumers)
+        if config.consumer_dim == "m":  # the consumers split rows: any block_n suits them
+            consumers = config.num_consumers
+            epi_n = min(config.epilogue_tile[1], block_n)
+        else:
+            consumers = config.num_consumers if block_n >= 128 else 1
+            epi_n = min(config.epilogue_tile[1], block_n // consumers)
         config = dataclasses.replace(
             config, block_n=block_n, num_consumers=consumers, epi_block_n=epi_n
         )

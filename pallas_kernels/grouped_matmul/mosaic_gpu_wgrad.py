@@ -51,6 +51,11 @@ def check_config(config: TileConfig) -> None:
     For tgmm, block_m tiles K (the output's rows), block_n tiles N and block_k is the number of
     a group's rows per step (one SMEM stage).
     """
+    if config.consumer_dim != "n":
+        raise ValueError(
+            f"tgmm splits an output tile's columns between its consumers: consumer_dim must be "
+            f"'n', got {config.consumer_dim!r}"
+        )
     if config.consumer_n > 256:
         raise ValueError(f"block_n // num_consumers = {config.consumer_n} must be <= 256")
 

@@ -54,8 +54,7 @@ class TileConfig:
 
     Attributes:
       block_m: rows of an output tile (each consumer warpgroup holds all of them).
-      block_n: columns of an output tile; each of the `num_consumers` consumer warpgroups owns
-        block_n // num_consumers of them (for gmm_swiglu: of the gate and of the up product).
+      block_n: columns of an output tile (for gmm_swiglu: of the gate and of the up product).
       block_k: the reduction step of one pipeline stage.
       max_concurrent_steps: pipeline stages in shared memory.
       delay_release: 0 waits for each step's wgmma before its stage is released; 1 keeps one
@@ -66,6 +65,10 @@ class TileConfig:
         of `grid_tile_width` tiles along `grid_minor_dim` (for L2 reuse).
       grid_size: programs of the persistent grid (None: one per streaming multiprocessor).
       num_consumers: consumer warpgroups (1 or 2); one producer warpgroup issues the TMA loads.
+      consumer_dim: the output-tile dimension split between the consumers: "n", each owns
+        block_n // num_consumers columns of all block_m rows (wgmma m64 x n consumer_n); "m",
+        each owns block_m // num_consumers rows of all block_n columns (wgmma m64 x n block_n:
+        fewer, wider instructions, each reading its lhs rows once; gmm and gmm_swiglu only).
     """
 
     block_m: int = 128
@@ -79,6 +82,7 @@ class TileConfig:
     grid_tile_width: int = 1
     grid_size: int | None = None
     num_consumers: int = 2
+    consumer_dim: GridMinorDim = "n"
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k", "max_concurrent_steps", "grid_tile_width"):
@@ -92,9 +96,17 @@ class TileConfig:
             raise ValueError(f"{block_k=} must be a multiple of 64 (one 128-byte swizzle row)")
         if self.num_consumers not in (1, 2):
             raise ValueError(f"num_consumers={self.num_consumers!r} must be 1 or 2")
-        if block_n % (64 * self.num_consumers):
+        if self.consumer_dim not in ("m", "n"):
+            raise ValueError(f"consumer_dim={self.consumer_dim!r} must be 'm' or 'n'")
+        split = block_m if self.consumer_dim == "m" else block_n
+        if split % (64 * self.num_consumers):
             raise ValueError(
-                f"{block_n=} must be a multiple of 64 * num_consumers={64 * self.num_consumers}"
+                f"block_{self.consumer_dim}={split} must be a multiple of 64 * "
+                f"num_consumers={64 * self.num_consumers} (consumer_dim={self.consumer_dim!r})"
+            )
+        if self.consumer_n > 256:
+            raise ValueError(
+                f"a consumer's {self.consumer_n} columns must be <= 256 (the widest wgmma)"
             )
         if self.delay_release not in (0, 1):
             raise ValueError(f"delay_release={self.delay_release!r} must be 0 or 1")
@@ -111,25 +123,31 @@ class TileConfig:
             raise ValueError(f"grid_size={self.grid_size!r} must be None or a positive int")
         consumer_n = self.consumer_n
         epi_m, epi_n = self.epilogue_tile
-        if epi_m % 64 or block_m % epi_m:
+        if epi_m % 64 or self.consumer_m % epi_m:
             raise ValueError(
-                f"epi_block_m={self.epi_block_m} must be a multiple of 64 dividing {block_m=}"
+                f"epi_block_m={self.epi_block_m} must be a multiple of 64 dividing the "
+                f"consumer's {self.consumer_m} rows"
             )
         if epi_n < 8 or consumer_n % epi_n or epi_n % 8:
             raise ValueError(
                 f"epi_block_n={self.epi_block_n} must be a multiple of 8 dividing the "
-                f"consumer's {consumer_n} columns (block_n // num_consumers)"
+                f"consumer's {consumer_n} columns"
             )
+
+    @property
+    def consumer_m(self) -> int:
+        """Rows of the output tile owned by one consumer warpgroup."""
+        return self.block_m // self.num_consumers if self.consumer_dim == "m" else self.block_m
 
     @property
     def consumer_n(self) -> int:
         """Columns of the output tile owned by one consumer warpgroup."""
-        return self.block_n // self.num_consumers
+        return self.block_n // self.num_consumers if self.consumer_dim == "n" else self.block_n
 
     @property
     def epilogue_tile(self) -> tuple[int, int]:
         """(rows, columns) of one epilogue sub-tile."""
-        return (self.epi_block_m or self.block_m, self.epi_block_n or self.consumer_n)
+        return (self.epi_block_m or self.consumer_m, self.epi_block_n or self.consumer_n)
 
     def smem_bytes(self, *, itemsize: int, out_itemsize: int, num_rhs: int = 1) -> int:
         """Shared memory of the pipeline stages plus the epilogue buffers (2 per consumer)."""

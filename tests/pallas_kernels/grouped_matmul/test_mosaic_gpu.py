@@ -157,9 +157,48 @@ def test_default_configs_survive_single_k_step_tiles(product, source):
     chex.assert_trees_all_equal(out[past], jnp.zeros_like(out)[past])
 
 
+@pytest.mark.parametrize("product", ["gmm", "dgrad", "scaled_f32", "swiglu"])
+def test_consumers_splitting_rows_match_reference(product):
+    """consumer_dim "m": each consumer owns half of a tile's rows (all its columns); partial
+    and empty groups, rows past the groups, row boundaries inside a consumer's half."""
+    m, k, n = 300, 128, 128
+    sizes = (70, 0, 100, 3, 64)
+    lhs, rhs, group_sizes, scale, key = _inputs(m, k, n, sizes)
+    config = dataclasses.replace(SMALL, block_m=128, consumer_dim="m")
+    if product == "swiglu":
+        w_up = (jax.random.normal(key, rhs.shape, jnp.float32) / 4).astype(jnp.bfloat16)
+        out = mosaic_gpu.gmm_swiglu(lhs, rhs, w_up, group_sizes, config=config, interpret=True)
+        expected, stored = reference.gmm_swiglu(lhs, rhs, w_up, group_sizes), jnp.bfloat16
+    elif product == "dgrad":
+        out = mosaic_gpu.gmm(
+            lhs, rhs, group_sizes, transpose_rhs=True, config=config, interpret=True
+        )
+        expected = reference.gmm(lhs, rhs, group_sizes, transpose_rhs=True)
+        stored = jnp.bfloat16
+    elif product == "scaled_f32":
+        out = mosaic_gpu.gmm(
+            lhs,
+            rhs,
+            group_sizes,
+            row_scale_m=scale,
+            out_dtype=jnp.float32,
+            config=config,
+            interpret=True,
+        )
+        expected = reference.gmm(lhs, rhs, group_sizes) * scale[:, None]
+        stored = jnp.float32
+    else:
+        out = mosaic_gpu.gmm(lhs, rhs, group_sizes, config=config, interpret=True)
+        expected, stored = reference.gmm(lhs, rhs, group_sizes), jnp.bfloat16
+    _assert_close(out, expected, stored)
+    past = _rows_past_groups(sizes, m)
+    chex.assert_trees_all_equal(out[past], jnp.zeros_like(out)[past])
+
+
+@pytest.mark.parametrize("consumer_dim", ["n", "m"])
 @pytest.mark.parametrize("delay_release", [0, 1])
 @pytest.mark.parametrize("product", ["gmm", "swiglu"])
-def test_no_races_between_warpgroups(product, delay_release):
+def test_no_races_between_warpgroups(product, delay_release, consumer_dim):
     """Invariants 5 and 6 under the interpreter's race detector: the producer refills a stage
     only after both consumers released it, across tiles (two stages, three K steps a tile, so
     the ring wraps inside tiles and across their boundaries)."""
@@ -170,7 +209,13 @@ def test_no_races_between_warpgroups(product, delay_release):
     sizes = (70, 0, 100, 3, 64)
     lhs, w_gate, group_sizes, _, key = _inputs(m, k, n, sizes)
     w_up = (jax.random.normal(key, w_gate.shape, jnp.float32) / 4).astype(jnp.bfloat16)
-    config = dataclasses.replace(SMALL, delay_release=delay_release, max_concurrent_steps=2)
+    config = dataclasses.replace(
+        SMALL,
+        block_m=128 if consumer_dim == "m" else SMALL.block_m,
+        delay_release=delay_release,
+        max_concurrent_steps=2,
+        consumer_dim=consumer_dim,
+    )
     params = plgpu.InterpretGPUParams(detect_races=True)
     if product == "swiglu":
         out = mosaic_gpu.gmm_swiglu(lhs, w_gate, w_up, group_sizes, config=config, interpret=params)

@@ -23,7 +23,14 @@ from pallas_kernels.grouped_matmul.tuning import TileConfig
         ({"max_concurrent_steps": 1}, "max_concurrent_steps=1 must exceed delay_release=1"),
         ({"grid_minor_dim": "k"}, "grid_minor_dim='k' must be 'm' or 'n'"),
         ({"grid_size": 0}, "grid_size=0 must be None or a positive int"),
-        ({"epi_block_m": 32}, "epi_block_m=32 must be a multiple of 64 dividing block_m=128"),
+        ({"epi_block_m": 32}, "epi_block_m=32 must be a multiple of 64 dividing the consumer's"),
+        ({"consumer_dim": "k"}, "consumer_dim='k' must be 'm' or 'n'"),
+        (
+            {"consumer_dim": "m", "block_m": 64},
+            "block_m=64 must be a multiple of 64 * num_consumers=128",
+        ),
+        ({"consumer_dim": "m", "block_n": 512}, "consumer's 512 columns must be <= 256"),
+        ({"consumer_dim": "m", "epi_block_m": 128}, "epi_block_m=128 must be a multiple of 64"),
         ({"epi_block_n": 48}, "epi_block_n=48 must be a multiple of 8 dividing"),
     ],
 )
