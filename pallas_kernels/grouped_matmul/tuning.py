@@ -191,8 +191,11 @@ DEFAULT_CONFIGS: dict[tuple[ShapeClass, str], TileConfig] = {
         max_concurrent_steps=3, grid_minor_dim="m", grid_tile_width=16
     ),
     ("gmm_transposed", "NVIDIA H200"): TileConfig(grid_minor_dim="m", grid_tile_width=16),
+    # The consumers split the rows (each m64 x n128 wgmma for the gate and for the up product,
+    # not m64 x n64): 1.034, 1.116, 1.012x the column split at qwen3, mixtral, dsv3 gate_up
+    # (H200, 2026-11-30, bench/results/2026-11-30_gmm_sweep2_h200.md).
     ("gmm_swiglu", "NVIDIA H200"): TileConfig(
-        block_n=128, epi_block_n=64, grid_minor_dim="m", grid_tile_width=16
+        block_n=128, epi_block_n=64, grid_minor_dim="m", grid_tile_width=16, consumer_dim="m"
     ),
     # tgmm (the weight gradient, in mosaic_gpu_wgrad.py): block_m tiles K, block_n tiles N and
     # block_k steps over a group's rows. Output tiles 128x256 with 3 stages beat 128x128 with 4
