@@ -14,7 +14,9 @@ boundaries: the next tile's first stages load while the consumers finish the cur
 run its epilogue. The consumers issue wgmma into f32 register accumulators, each owning
 block_n // num_consumers columns of the tile or, with consumer_dim "m", block_m //
 num_consumers of its rows; the epilogue (SwiGLU, row scale, cast) runs on
-the accumulators and TMA-stores through shared memory.
+the accumulators and TMA-stores through shared memory. A tile's schedule (group, first row,
+rows it stores) is one row of a [T, 4] table computed before the kernel; every warpgroup loads
+the next tile's row while the current tile runs, so no scalar load stalls a tile's start.
 
 Invariants (numbered; the tests check each):
   1. Row tiles start at their group's first row rounded down to a multiple of 8 (TMA into
@@ -148,10 +150,7 @@ def _consumer_registers(num_consumers: int) -> int:
 
 
 def _kernel(
-    group_t_ref,
-    row0_t_ref,
-    starts_x_ref,
-    ends_x_ref,
+    schedule_ref,
     lhs_ref,
     *refs,
     config: TileConfig,
@@ -184,21 +183,44 @@ def _kernel(
         plgpu.SwizzleTransform(out_swizzle),
     )
 
-    def tile_at(lin):
-        """Output tile `lin` of the grid order: (column tile, group, first row, [lo, hi) the
-        rows of the tile it stores, whether it runs the K loop)."""
-        mi, ni = plgpu.planar_snake(
+    num_tiles = num_tiles_m * num_tiles_n
+
+    def tile_coords(lin):
+        """(row tile, column tile) of output tile `lin` of the grid order."""
+        return plgpu.planar_snake(
             lin,
             (num_tiles_m, num_tiles_n),
             0 if config.grid_minor_dim == "m" else 1,
             config.grid_tile_width,
         )
-        group = group_t_ref[mi]
-        row0 = pl.multiple_of(row0_t_ref[mi], _ROW_ALIGN)
-        lo = jnp.clip(starts_x_ref[group] - row0, 0, block_m)
-        hi = jnp.clip(ends_x_ref[group] - row0, 0, block_m)
-        stores = hi > lo
-        return ni, group, row0, lo, hi, stores, stores & (group < num_groups)
+
+    def fetch(lin):
+        """The schedule of output tile `lin` (clamped to the last tile): group, first row, and
+        [lo, hi) the rows of the tile it stores. Scalar GMEM loads: the tile loop fetches the
+        next tile's while the current one runs, so their latency is off the critical path."""
+        mi, _ = tile_coords(jnp.minimum(lin, num_tiles - 1))
+        return tuple(schedule_ref[mi, j] for j in range(4))
+
+    def tile_loop(body):
+        """Runs body(ni, group, row0, lo, hi, step0) -> step count after the tile, for this
+        program's output tiles in grid order (the next tile of a program is `lin + programs`,
+        nd_loop's interleaved order); returns the program's step count (invariant 6)."""
+        programs = lax.axis_size("sm")
+
+        def step(loop_info: plgpu.NDLoopInfo, carry):
+            step0, *current = carry
+            (lin,) = loop_info.index
+            upcoming = fetch(lin + programs)
+            _, ni = tile_coords(lin)
+            group, row0, lo, hi = current
+            step0 = body(ni, group, pl.multiple_of(row0, _ROW_ALIGN), lo, hi, step0)
+            return (step0, *upcoming)
+
+        first = fetch(lax.axis_index("sm"))
+        final = plgpu.nd_loop(
+            (num_tiles,), collective_axes="sm", init_carry=(jnp.int32(0), *first)
+        )(step)
+        return final[0]
 
     @functools.partial(
         pl.run_scoped,
@@ -225,12 +247,6 @@ def _kernel(
     def _scope(lhs_smem, rhs_smems, epi_smem, loaded, consumed):
         wg = lax.axis_index("wg")
 
-        def tile_loop(body):
-            """This program's output tiles in grid order; the carry counts its K steps."""
-            return plgpu.nd_loop(
-                (num_tiles_m * num_tiles_n,), collective_axes="sm", init_carry=jnp.int32(0)
-            )(body)
-
         # 1. The producer: every K step of every matmul tile of this program, in order, into
         #    the ring of stages (invariants 5, 6). It runs ahead of the consumers by up to
         #    `stages` steps, across tile boundaries.
@@ -239,9 +255,8 @@ def _kernel(
             plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
 
             @tile_loop
-            def num_steps(loop_info: plgpu.NDLoopInfo, carry):
-                step0 = carry
-                ni, group, row0, _, _, _, runs = tile_at(loop_info.index[0])
+            def num_steps(ni, group, row0, lo, hi, step0):
+                runs = (hi > lo) & (group < num_groups)
 
                 @pl.when(runs)
                 def _load_tile():
@@ -332,9 +347,9 @@ def _kernel(
                         sub += 1
 
             @tile_loop
-            def _tiles(loop_info: plgpu.NDLoopInfo, carry):
-                step0 = carry
-                ni, group, row0, lo, hi, stores, runs = tile_at(loop_info.index[0])
+            def _tiles(ni, group, row0, lo, hi, step0):
+                stores = hi > lo
+                runs = stores & (group < num_groups)
 
                 # (a) A tile of a group: the K loop, then the epilogue (invariants 1, 3, 4, 5).
                 @pl.when(runs)
@@ -543,7 +558,12 @@ def _grouped_call(
         lhs_mk = jnp.pad(lhs_mk, ((0, out_rows - num_rows), (0, 0)))
     group_t, row0_t = tile_schedule(group_sizes_g, num_rows=num_rows, block_m=block_m)
     starts_x, ends_x = group_bounds(group_sizes_g, num_rows=num_rows)
-    operands = [group_t, row0_t, starts_x, ends_x, lhs_mk, *rhs]
+    # Per row tile: its group, first row and the rows [lo, hi) of it that it stores, one
+    # [T, 4] table, so that a tile needs four independent scalar loads (no dependent ones).
+    lo_t = jnp.clip(starts_x[group_t] - row0_t, 0, block_m)
+    hi_t = jnp.clip(ends_x[group_t] - row0_t, 0, block_m)
+    schedule_t4 = jnp.stack([group_t, row0_t, lo_t, hi_t], axis=1).astype(jnp.int32)
+    operands = [schedule_t4, lhs_mk, *rhs]
     if row_scale_m is not None:
         # Scales are read for whole tiles: pad so the last tile's read stays in bounds.
         operands.append(jnp.pad(row_scale_m, (0, out_rows - num_rows + block_m)))
