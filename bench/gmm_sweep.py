@@ -112,6 +112,16 @@ def candidates(product: str, shape: gg.Shape, *, smoke: bool = False) -> list[Tr
         return out
 
     if product in ("forward", "dgrad", "swiglu"):
+        n_out = {"forward": shape.n, "dgrad": shape.k, "swiglu": shape.n // 2}[product]
+        if (n_out // base.block_n) % 2 == 0:
+            add(
+                "cluster2",
+                "clusters of 2 CTAs on neighbouring column tiles, each lhs tile loaded once "
+                "and multicast into both: 128x256 tiles read 3/256 B of L2 per FLOP, ~7.6 TB/s "
+                "at 650 TFLOP/s; the multicast makes it 1/128 (~5 TB/s), as CUTLASS's 2x1 "
+                "clusters do",
+                cluster_n=2,
+            )
         add(
             "split_m",
             "consumers split the tile's rows, not its columns: each runs m64 x n256 wgmma "

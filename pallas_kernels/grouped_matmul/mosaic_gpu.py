@@ -46,6 +46,10 @@ Invariants (numbered; the tests check each):
      K steps (a carry of the tile loop), so step n always uses stage n % max_concurrent_steps
      and every barrier's phases are waited in order, each exactly once by each waiter. Tiles
      that run no K loop (rows of no group, unused schedule entries) load nothing.
+  7. With cluster_n = 2 the two CTAs of a cluster walk the same row tiles in the same order
+     (column tiles 2j and 2j + 1), so they run the same K steps into the same stages: each
+     stage's lhs tile is multicast into both, and a stage is refilled only after the
+     consumers of both CTAs released it (a cluster barrier).
 """
 
 from __future__ import annotations
@@ -183,16 +187,23 @@ def _kernel(
         plgpu.SwizzleTransform(out_swizzle),
     )
 
-    num_tiles = num_tiles_m * num_tiles_n
+    # With clusters of two CTAs, the grid walks pairs of neighbouring column tiles; CTA c of a
+    # cluster computes column tile 2 * pair + c of the same row tile (invariant 7).
+    cluster = config.cluster_n
+    pairs_n = num_tiles_n // cluster
+    num_tiles = num_tiles_m * pairs_n
 
     def tile_coords(lin):
-        """(row tile, column tile) of output tile `lin` of the grid order."""
-        return plgpu.planar_snake(
+        """(row tile, column tile) of output tile `lin` of the grid order (of this CTA)."""
+        mi, nj = plgpu.planar_snake(
             lin,
-            (num_tiles_m, num_tiles_n),
+            (num_tiles_m, pairs_n),
             0 if config.grid_minor_dim == "m" else 1,
             config.grid_tile_width,
         )
+        if cluster == 1:
+            return mi, nj
+        return mi, nj * cluster + lax.axis_index("cluster")
 
     def fetch(lin):
         """The schedule of output tile `lin` (clamped to the last tile): group, first row, and
@@ -241,7 +252,15 @@ def _kernel(
             for _ in range(num_consumers)
         ],
         loaded=plgpu.Barrier(num_arrivals=1 + num_rhs, num_barriers=stages),
-        consumed=plgpu.Barrier(num_arrivals=num_consumers, num_barriers=stages),
+        # With clusters, a stage is refilled (by both CTAs' multicast) only after the
+        # consumers of both CTAs released it.
+        consumed=(
+            plgpu.Barrier(num_arrivals=num_consumers, num_barriers=stages)
+            if cluster == 1
+            else plgpu.ClusterBarrier(
+                collective_axes=("cluster",), num_arrivals=num_consumers, num_barriers=stages
+            )
+        ),
         collective_axes="wg",
     )
     def _scope(lhs_smem, rhs_smems, epi_smem, loaded, consumed):
@@ -271,7 +290,10 @@ def _kernel(
 
                         ks = pl.ds(k * block_k, block_k)
                         plgpu.copy_gmem_to_smem(
-                            lhs_ref.at[pl.ds(row0, block_m), ks], lhs_smem.at[slot], loaded.at[slot]
+                            lhs_ref.at[pl.ds(row0, block_m), ks],
+                            lhs_smem.at[slot],
+                            loaded.at[slot],
+                            collective_axes=None if cluster == 1 else "cluster",
                         )
                         ns = pl.ds(ni * block_n, block_n)
                         for rhs_ref, rhs_smem in zip(rhs_refs, rhs_smems, strict=True):
@@ -471,6 +493,8 @@ def _default_config(
         config = dataclasses.replace(
             config, block_n=block_n, num_consumers=consumers, epi_block_n=epi_n
         )
+    if (n // config.block_n) % config.cluster_n:
+        config = dataclasses.replace(config, cluster_n=1)
     limit = tuning.DEVICES[tuning.resolve_device_kind()].smem_bytes
     while (
         config.smem_bytes(itemsize=itemsize, out_itemsize=out_itemsize, num_rhs=num_rhs) > limit
@@ -515,6 +539,11 @@ def _check_config(config: TileConfig, *, k: int, n: int, itemsize: int, out_item
         raise ValueError(f"K={k} must be a multiple of block_k={config.block_k}")
     if n % config.block_n:
         raise ValueError(f"N={n} must be a multiple of block_n={config.block_n}")
+    if (n // config.block_n) % config.cluster_n:
+        raise ValueError(
+            f"cluster_n={config.cluster_n} needs an even number of column tiles, got "
+            f"N={n} / block_n={config.block_n} = {n // config.block_n}"
+        )
     smem = config.smem_bytes(itemsize=itemsize, out_itemsize=out_itemsize, num_rhs=nr)
     limit = tuning.DEVICES[tuning.resolve_device_kind()].smem_bytes
     if smem > limit:
@@ -568,6 +597,7 @@ def _grouped_call(
         # Scales are read for whole tiles: pad so the last tile's read stays in bounds.
         operands.append(jnp.pad(row_scale_m, (0, out_rows - num_rows + block_m)))
     grid_size = config.grid_size or tuning.persistent_grid_size()
+    cluster = config.cluster_n
     body = functools.partial(
         _kernel,
         config=config,
@@ -581,8 +611,9 @@ def _grouped_call(
     out = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((out_rows, n), out_dtype),
-        grid=(grid_size,),
+        grid=(max(1, grid_size // cluster),),
         grid_names=("sm",),
+        **({} if cluster == 1 else {"cluster": (cluster,), "cluster_names": ("cluster",)}),
         num_threads=config.num_consumers + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),

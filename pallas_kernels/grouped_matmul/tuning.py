@@ -69,6 +69,10 @@ class TileConfig:
         block_n // num_consumers columns of all block_m rows (wgmma m64 x n consumer_n); "m",
         each owns block_m // num_consumers rows of all block_n columns (wgmma m64 x n block_n:
         fewer, wider instructions, each reading its lhs rows once; gmm and gmm_swiglu only).
+      cluster_n: CTAs per cluster (1 or 2). With 2, the two CTAs of a cluster compute
+        neighbouring column tiles of the same row tile, and each lhs tile is loaded once from
+        L2 and multicast into both (half the lhs traffic); the grid is then grid_size // 2
+        clusters, and N must hold an even number of column tiles (gmm and gmm_swiglu only).
     """
 
     block_m: int = 128
@@ -83,6 +87,7 @@ class TileConfig:
     grid_size: int | None = None
     num_consumers: int = 2
     consumer_dim: GridMinorDim = "n"
+    cluster_n: int = 1
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k", "max_concurrent_steps", "grid_tile_width"):
@@ -96,6 +101,8 @@ class TileConfig:
             raise ValueError(f"{block_k=} must be a multiple of 64 (one 128-byte swizzle row)")
         if self.num_consumers not in (1, 2):
             raise ValueError(f"num_consumers={self.num_consumers!r} must be 1 or 2")
+        if self.cluster_n not in (1, 2) or isinstance(self.cluster_n, bool):
+            raise ValueError(f"cluster_n={self.cluster_n!r} must be 1 or 2")
         if self.consumer_dim not in ("m", "n"):
             raise ValueError(f"consumer_dim={self.consumer_dim!r} must be 'm' or 'n'")
         split = block_m if self.consumer_dim == "m" else block_n

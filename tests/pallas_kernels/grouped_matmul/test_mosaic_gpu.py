@@ -195,6 +195,50 @@ def test_consumers_splitting_rows_match_reference(product):
     chex.assert_trees_all_equal(out[past], jnp.zeros_like(out)[past])
 
 
+@pytest.mark.parametrize("product", ["gmm", "dgrad", "swiglu"])
+def test_clusters_of_two_give_the_same_bits(product):
+    """Invariant 7: two CTAs a cluster, the lhs tile multicast into both, under the race
+    detector: the reference's values, and bitwise the single-CTA kernel's output (each tile
+    runs the same K steps in the same order wherever it is computed)."""
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+    m, k, n = 300, 128, 256
+    sizes = (70, 0, 100, 3, 64)
+    lhs, rhs, group_sizes, _, key = _inputs(m, k, n, sizes)
+    single = dataclasses.replace(SMALL, grid_size=4)
+    paired = dataclasses.replace(single, cluster_n=2)
+    params = plgpu.InterpretGPUParams(detect_races=True)
+    if product == "swiglu":
+        w_up = (jax.random.normal(key, rhs.shape, jnp.float32) / 4).astype(jnp.bfloat16)
+
+        def run(config, interpret):
+            return mosaic_gpu.gmm_swiglu(
+                lhs, rhs, w_up, group_sizes, config=config, interpret=interpret
+            )
+
+        expected = reference.gmm_swiglu(lhs, rhs, w_up, group_sizes)
+    else:
+        transpose = product == "dgrad"
+        operand = jnp.swapaxes(rhs, 1, 2) if transpose else rhs
+        operand = operand[:, :, :k] if transpose else operand
+
+        def run(config, interpret):
+            return mosaic_gpu.gmm(
+                lhs,
+                operand,
+                group_sizes,
+                transpose_rhs=transpose,
+                config=config,
+                interpret=interpret,
+            )
+
+        expected = reference.gmm(lhs, operand, group_sizes, transpose_rhs=transpose)
+    out = jax.block_until_ready(run(paired, params))
+    assert not gpu_callbacks.get_races().races_found
+    _assert_close(out, expected, jnp.bfloat16)
+    chex.assert_trees_all_equal(out, run(single, True))
+
+
 @pytest.mark.parametrize("consumer_dim", ["n", "m"])
 @pytest.mark.parametrize("delay_release", [0, 1])
 @pytest.mark.parametrize("product", ["gmm", "swiglu"])
@@ -312,6 +356,9 @@ def _bad_call(kind):
             lhs, rhs, sizes, config=TileConfig(block_n=128, max_concurrent_steps=12)
         ),
         "swiglu_up": lambda: mosaic_gpu.gmm_swiglu(lhs, rhs, rhs[:, :, :64], sizes),
+        "cluster_odd": lambda: mosaic_gpu.gmm(
+            lhs, rhs, sizes, config=dataclasses.replace(SMALL, cluster_n=2), interpret=True
+        ),
     }
     return calls[kind]
 
@@ -331,6 +378,7 @@ def _bad_call(kind):
         ("scale", r"row_scale_m must be float32 \[M=64\], got float32 \(10,\)"),
         ("smem", "bytes of shared memory, more than the"),
         ("swiglu_up", r"w_up shape \(1, 128, 64\) must equal w_gate shape \(1, 128, 128\)"),
+        ("cluster_odd", "cluster_n=2 needs an even number of column tiles, got N=128"),
     ],
 )
 def test_bad_inputs_raise_naming_the_values(kind, message):
@@ -349,12 +397,22 @@ def _lowered_text(fn, *args):
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("product", ["gmm", "gmm_odd_rows", "dgrad", "weighted_f32", "swiglu"])
+@pytest.mark.parametrize(
+    "product", ["gmm", "gmm_odd_rows", "dgrad", "weighted_f32", "swiglu", "gmm_cluster"]
+)
 def test_lowers_for_cuda_at_real_size(product):
     bf16 = jnp.bfloat16
     sizes = _S((G,), jnp.int32)
     if product == "gmm":
         text = _lowered_text(mosaic_gpu.gmm, _S((M, K), bf16), _S((G, K, N), bf16), sizes)
+    elif product == "gmm_cluster":  # clusters of 2 CTAs, lhs multicast, rows split
+        config = dataclasses.replace(mosaic_gpu.default_config(n=N), cluster_n=2, consumer_dim="m")
+        text = _lowered_text(
+            lambda a, b, s: mosaic_gpu.gmm(a, b, s, config=config),
+            _S((M, K), bf16),
+            _S((G, K, N), bf16),
+            sizes,
+        )
     elif product == "gmm_odd_rows":  # M not a multiple of 8
         text = _lowered_text(mosaic_gpu.gmm, _S((M - 3, K), bf16), _S((G, K, N), bf16), sizes)
     elif product == "dgrad":
