@@ -43,6 +43,8 @@ _MEMORY_REGISTERS = 40
 _ROW_ALIGN = 8
 _WG_AXIS = "wg"
 _SM_AXIS = "sm"
+# Columns of `row_blocks`'s table: per group, its row blocks (invariant 2 of `_tgmm_kernel`).
+_BASE, _LEAD, _NUM_BLOCKS, _TAIL_END = range(4)
 
 
 def check_config(config: TileConfig) -> None:
@@ -51,13 +53,15 @@ def check_config(config: TileConfig) -> None:
     For tgmm, block_m tiles K (the output's rows), block_n tiles N and block_k is the number of
     a group's rows per step (one SMEM stage).
     """
+    if config.cluster_n != 1:
+        raise ValueError(
+            f"tgmm runs one CTA per cluster: cluster_n must be 1, got {config.cluster_n}"
+        )
     if config.consumer_dim != "n":
         raise ValueError(
             f"tgmm splits an output tile's columns between its consumers: consumer_dim must be "
             f"'n', got {config.consumer_dim!r}"
         )
-    if config.consumer_n > 256:
-        raise ValueError(f"block_n // num_consumers = {config.consumer_n} must be <= 256")
 
 
 def default_config(num_k: int, num_n: int) -> TileConfig:
@@ -96,6 +100,24 @@ def unit_tile(unit, *, units_k: int, units_n: int, config: TileConfig):
     return unit // per_group, k_idx, n_idx
 
 
+def row_blocks(group_sizes_g: Array, *, num_rows: int, block_rows: int) -> Array:
+    """int32 [G, 4]: each group's row blocks, the scalars `_tgmm_kernel` reads per unit.
+
+    Groups are clipped at `num_rows`. Columns (`_BASE`, `_LEAD`, `_NUM_BLOCKS`, `_TAIL_END`):
+    base, the group's first row rounded down to a multiple of 8 (block i is rows
+    base + i * block_rows + [0, block_rows)); lead, the group's first row's position in block 0
+    (in [0, 8)); num_blocks (0 for an empty group); tail_end, the position just past the
+    group's last row in its last block (in [1, block_rows]; 0 for an empty group).
+    """
+    ends_g = jnp.minimum(jnp.cumsum(group_sizes_g), num_rows)
+    starts_g = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends_g[:-1]])
+    sizes_g = ends_g - starts_g
+    lead_g = starts_g % _ROW_ALIGN
+    num_blocks_g = jnp.where(sizes_g > 0, pl.cdiv(lead_g + sizes_g, block_rows), 0)
+    tail_end_g = jnp.where(sizes_g > 0, lead_g + sizes_g - (num_blocks_g - 1) * block_rows, 0)
+    return jnp.stack([starts_g - lead_g, lead_g, num_blocks_g, tail_end_g], axis=1)
+
+
 def _swizzled(minor_elems: int, dtype: Any) -> tuple[Any, ...]:
     """SMEM transforms of a tile whose minor dimension holds `minor_elems` elements."""
     itemsize = jnp.dtype(dtype).itemsize
@@ -110,8 +132,7 @@ def _compute_registers(num_consumers: int) -> int:
 
 
 def _tgmm_kernel(
-    starts_g_ref,
-    sizes_g_ref,
+    blocks_g_ref,
     lhs_mk_ref,
     rhs_mn_ref,
     out_gkn_ref,
@@ -124,7 +145,9 @@ def _tgmm_kernel(
     The memory warpgroup TMA-loads the row blocks of every unit of this CTA, unit after unit,
     into a ring of `max_concurrent_steps` SMEM stages; it runs ahead of the compute warpgroups
     by up to a full ring, across unit boundaries (the next unit's first blocks load while the
-    compute warpgroups finish a unit and run its epilogue).
+    compute warpgroups finish a unit and run its epilogue). A unit's scalars (its group's row
+    blocks: a row of `blocks_g_ref`, from `row_blocks`) are loaded one unit ahead and carried,
+    so that no warpgroup waits for a GMEM load at the top of a unit (see `unit_loop`).
 
     Invariants:
       1. Each output tile [g, k tile, n tile] is one work unit (unit_tile maps the units onto
@@ -167,22 +190,39 @@ def _tgmm_kernel(
     out_dtype = out_gkn_ref.dtype
     in_dtype = lhs_mk_ref.dtype
 
-    def unit_at(unit):
-        """Unit `unit`: its tile, the group's rows as positions [lead, lead + size) of
-        `num_blocks` row blocks from row `base` (invariant 2)."""
-        g, k_idx, n_idx = unit_tile(unit, units_k=units_k, units_n=units_n, config=config)
-        start = starts_g_ref[g]
-        size = sizes_g_ref[g]
-        lead = lax.rem(start, _ROW_ALIGN)
-        base = pl.multiple_of(start - lead, _ROW_ALIGN)
-        num_blocks = jnp.where(size > 0, pl.cdiv(lead + size, block_m), 0)
-        return g, k_idx, n_idx, base, lead, size, num_blocks
+    units_per_group = units_k * units_n
+    num_units = num_groups * units_per_group
 
-    def unit_loop(body):
-        """This CTA's units in order; the carry counts its row blocks (ring steps)."""
-        return plgpu.nd_loop(
-            (num_groups * units_k * units_n,), collective_axes=_SM_AXIS, init_carry=jnp.int32(0)
-        )(body)
+    def tile_of(unit):
+        return unit_tile(unit, units_k=units_k, units_n=units_n, config=config)
+
+    def unit_loop(*columns):
+        """This CTA's units in order: `body(unit, steps, *values) -> steps` runs unit `unit`
+        after `steps` ring steps (row blocks) and returns the count after it; `values` are the
+        `columns` of the unit's group in `blocks_g_ref`.
+
+        nd_loop gives CTA c the units c, c + S, c + 2S, ... (S = the CTA count): at the top of
+        each unit the values of the CTA's next unit are loaded and carried to it. A GPU load
+        stalls only at the first use of its value, one unit later; only the first unit's load
+        is waited for. Past the CTA's last unit the load reads the last group (unused)."""
+
+        def load(unit):
+            g = jnp.minimum(unit, num_units - 1) // units_per_group
+            return tuple(blocks_g_ref[g, column] for column in columns)
+
+        def decorator(body):
+            def step(loop_info: plgpu.NDLoopInfo, carry):
+                steps, values = carry
+                unit = loop_info.index[0]
+                next_values = load(unit + lax.axis_size(_SM_AXIS))
+                return body(unit, steps, *values), next_values
+
+            first = (jnp.int32(0), load(lax.axis_index(_SM_AXIS)))
+            loop = plgpu.nd_loop((num_units,), collective_axes=_SM_AXIS, init_carry=first)
+            steps, _ = loop(step)
+            return steps
+
+        return decorator
 
     @functools.partial(
         pl.run_scoped,
@@ -212,10 +252,9 @@ def _tgmm_kernel(
         def _memory():
             plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
 
-            @unit_loop
-            def num_steps(loop_info: plgpu.NDLoopInfo, carry):
-                step0 = carry
-                _, k_idx, n_idx, base, _, _, num_blocks = unit_at(loop_info.index[0])
+            @unit_loop(_BASE, _NUM_BLOCKS)
+            def num_steps(unit, step0, base, num_blocks):
+                _, k_idx, n_idx = tile_of(unit)
                 k_slice = pl.ds(k_idx * tile_k, tile_k)
                 n_slice = pl.ds(n_idx * tile_n, tile_n)
 
@@ -251,12 +290,11 @@ def _tgmm_kernel(
             plgpu.set_max_registers(_compute_registers(num_consumers), action="increase")
             wg_n_slice = pl.ds(pl.multiple_of(wg * wg_tile_n, wg_tile_n), wg_tile_n)
 
-            @unit_loop
-            def _units(loop_info: plgpu.NDLoopInfo, carry):
-                step0 = carry
-                g, k_idx, n_idx, _, lead, size, num_blocks = unit_at(loop_info.index[0])
-                # Positions past the group's end in the last block: [tail_end, block_m).
-                tail_end = lead + size - (num_blocks - 1) * block_m
+            @unit_loop(_LEAD, _NUM_BLOCKS, _TAIL_END)
+            def _units(unit, step0, lead, num_blocks, tail_end):
+                # The group's rows are positions [lead, lead + size) of the unit's blocks; in
+                # the last block, positions [tail_end, block_m) are past its end.
+                g, k_idx, n_idx = tile_of(unit)
 
                 # 3. One step: one block of block_m rows, in order (invariant 2).
                 def mma_step(i, acc_ref):
@@ -376,9 +414,7 @@ def tgmm(
     if num_rows == 0:
         return jnp.zeros((num_groups, num_k, num_n), out_dtype)
     # Group bounds clipped at M: rows past M belong to no group (as in reference.group_ids).
-    ends_g = jnp.minimum(jnp.cumsum(group_sizes_g), num_rows)
-    starts_g = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends_g[:-1]])
-    sizes_g = ends_g - starts_g
+    blocks_g = row_blocks(group_sizes_g, num_rows=num_rows, block_rows=config.block_k)
     # TMA views the rows in whole 8-row tiles, and its box (block_k rows) may not be taller
     # than the tensor: pad M up to that (a copy of the inputs, only for such M). The padded
     # rows are zeros and belong to no group.
@@ -408,4 +444,4 @@ def tgmm(
         interpret=interpret_params,
     )
 
-    return kernel(starts_g, sizes_g, lhs_mk, rhs_mn)
+    return kernel(blocks_g, lhs_mk, rhs_mn)

@@ -1,7 +1,8 @@
 """tgmm, the Mosaic GPU weight-gradient kernel: against reference.tgmm under GPU interpret mode on
-CPU (unaligned group starts, groups inside one 8-row tile, M not a multiple of 8), bits that
-depend on a group's start only modulo 8, input validation, CUDA lowering on this machine, and
-GPU-marked twins at real size."""
+CPU (unaligned group starts, groups inside one 8-row tile, M not a multiple of 8), the per-group
+row-block table and its one-unit-ahead loads, bits that depend on a group's start only modulo 8
+and not on the CTA count, input validation, CUDA lowering on this machine (with bank-conflict-free
+epilogue stores), and GPU-marked twins at real size."""
 
 from __future__ import annotations
 
@@ -102,6 +103,76 @@ def test_default_config_under_jit():
     lhs, rhs = _inputs(4, 300, 128, 256)
     group_sizes = jnp.asarray([100, 0, 150], jnp.int32)
     out = jax.jit(lambda a, b, s: tgmm(a, b, s, interpret=True))(lhs, rhs, group_sizes)
+    _assert_matches_reference(out, lhs, rhs, group_sizes)
+
+
+def test_row_blocks_table():
+    """row_blocks against a per-group loop: groups clipped at M, empty groups, starts that are
+    and are not multiples of 8, a group that ends exactly at a block's end."""
+    num_rows, block_rows = 203, 64
+    sizes = [17, 45, 0, 3, 63, 6, 0, 40, 100, 5]  # sum > M: the last two groups are clipped
+    table = np.asarray(
+        mosaic_gpu_wgrad.row_blocks(
+            jnp.asarray(sizes, jnp.int32), num_rows=num_rows, block_rows=block_rows
+        )
+    )
+    start = 0
+    for g, size in enumerate(sizes):
+        size = max(min(size, num_rows - start), 0)
+        base, lead = start - start % 8, start % 8
+        if size:
+            num_blocks = -(-(lead + size) // block_rows)
+            tail_end = lead + size - (num_blocks - 1) * block_rows
+            assert 0 < tail_end <= block_rows
+            expected = [base, lead, num_blocks, tail_end]
+        else:
+            expected = [base, lead, 0, 0]
+        assert table[g].tolist() == expected, (g, table[g], expected)
+        start += size
+    assert table.dtype == np.int32 and table.shape == (len(sizes), 4)
+    # Group 4 (rows 65..127, lead 1) fills its single block: tail_end = block_rows. Group 9
+    # starts at M: clipped to no row.
+    assert table[4].tolist() == [64, 1, 1, 64]
+    assert table[9].tolist() == [200, 3, 0, 0]
+
+
+# Many small groups of different sizes (empty ones among them, neighbours of equal size only
+# where both are empty): each unit reads its own group's row of the table, which the kernel
+# loads one unit ahead.
+_MANY_GROUPS = [5, 0, 17, 64, 0, 3, 70, 9, 0, 0, 31, 130, 1]
+
+
+def test_each_unit_gets_its_own_groups_scalars():
+    """13 groups of 2 units each (N = 2 tiles) over 1, 3 and 4 CTAs: 26 units, so a CTA's
+    next unit (unit + CTA count, whose scalars it loads during the current unit) lies in the
+    same group (1 CTA) or in another, at varying distances, and the CTAs' last units are in
+    different groups. Scalars of any other unit than the current one give another group's row
+    count, first row or tail, and a wrong result; every CTA count gives the same bits."""
+    lhs, rhs = _inputs(14, 340, 64, 256)
+    group_sizes = jnp.asarray(_MANY_GROUPS, jnp.int32)
+    one_cta, *others = (
+        tgmm(
+            lhs,
+            rhs,
+            group_sizes,
+            config=dataclasses.replace(SMALL, grid_size=grid_size),
+            interpret=True,
+        )
+        for grid_size in (1, 3, 4)
+    )
+    _assert_matches_reference(one_cta, lhs, rhs, group_sizes)
+    for out in others:
+        chex.assert_trees_all_equal(out, one_cta)
+
+
+def test_more_ctas_than_units():
+    """3 units over 5 CTAs: two CTAs have no unit (their first load reads the last group and
+    goes unused; their warpgroups exit at once)."""
+    lhs, rhs = _inputs(15, 40, 64, 128)
+    group_sizes = jnp.asarray([7, 0, 30], jnp.int32)
+    out = tgmm(
+        lhs, rhs, group_sizes, config=dataclasses.replace(SMALL, grid_size=5), interpret=True
+    )
     _assert_matches_reference(out, lhs, rhs, group_sizes)
 
 
@@ -275,9 +346,11 @@ def test_bad_out_dtype_and_config_raise():
     sizes = jnp.ones((2,), jnp.int32)
     with pytest.raises(ValueError, match="out_dtype=dtype\\('int32'\\) must be"):
         tgmm(lhs, rhs, sizes, out_dtype=jnp.int32, interpret=True)
-    too_wide = TileConfig(block_n=512, num_consumers=1, epi_block_n=64)
-    with pytest.raises(ValueError, match="block_n // num_consumers = 512 must be <= 256"):
-        tgmm(lhs, rhs, sizes, config=too_wide, interpret=True)
+    rows_split = TileConfig(block_m=128, block_n=128, consumer_dim="m")
+    with pytest.raises(ValueError, match="consumer_dim must be 'n', got 'm'"):
+        tgmm(lhs, rhs, sizes, config=rows_split, interpret=True)
+    with pytest.raises(ValueError, match="cluster_n must be 1, got 2"):
+        tgmm(lhs, rhs, sizes, config=dataclasses.replace(SMALL, cluster_n=2), interpret=True)
 
 
 @pytest.mark.parametrize(("num_k", "num_n"), [(2048, 1536), (768, 2048), (64, 64), (192, 320)])
@@ -329,6 +402,44 @@ def test_lowers_for_cuda(num_rows, num_k, num_n, num_groups, config):
             .lower(lowering_platforms=("cuda",))
         )
     assert "mosaic_gpu" in lowered.as_text()
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize(("num_k", "num_n", "config"), [(4096, 28672, None), (128, 256, SMALL)])
+def test_smem_transfers_are_bank_conflict_free(monkeypatch, out_dtype, num_k, num_n, config):
+    """Every register <-> SMEM transfer (the epilogue's stores into the swizzled out_smem, the
+    masked rhs rows) lowers to a transfer that Mosaic GPU planned free of bank conflicts.
+    Mosaic GPU falls back silently to an unplanned (optimized=False) transfer when it finds no
+    such plan: this spies on FragmentedArray (jax.experimental.mosaic.gpu) for that."""
+    from jax.experimental.mosaic.gpu import fragmented_array
+
+    transfers = []
+    array_cls = fragmented_array.FragmentedArray
+    store_tiled, load_tiled = array_cls.store_tiled, array_cls.load_tiled.__func__
+
+    def spy_store(self, ref, swizzle, optimized=True, **kwargs):
+        transfers.append(("store", self.shape, str(self.mlir_dtype), optimized))
+        return store_tiled(self, ref, swizzle, optimized, **kwargs)
+
+    def spy_load(cls, ref, swizzle, *, optimized=True, **kwargs):
+        transfers.append(("load", optimized))
+        return load_tiled(cls, ref, swizzle, optimized=optimized, **kwargs)
+
+    monkeypatch.setattr(array_cls, "store_tiled", spy_store)
+    monkeypatch.setattr(array_cls, "load_tiled", classmethod(spy_load))
+    args = (
+        jax.ShapeDtypeStruct((4096, num_k), jnp.bfloat16),
+        jax.ShapeDtypeStruct((4096, num_n), jnp.bfloat16),
+        jax.ShapeDtypeStruct((8,), jnp.int32),
+    )
+    with jax.sharding.use_abstract_mesh(H200):
+        jax.jit(lambda a, b, s: tgmm(a, b, s, config=config, out_dtype=out_dtype)).trace(
+            *args
+        ).lower(lowering_platforms=("cuda",))
+    epilogue = (config or mosaic_gpu_wgrad.default_config(num_k, num_n)).epilogue_tile
+    out_name = "f32" if out_dtype == jnp.float32 else "bf16"
+    assert ("store", epilogue, out_name, True) in transfers, transfers
+    assert all(transfer[-1] for transfer in transfers), transfers
 
 
 # GPU twins at real size (skipped without a GPU).
