@@ -409,6 +409,13 @@ def tgmm(
     if config is None:
         config = default_config(num_k, num_n)
     check_config(config)
+    epilogue_row_bytes = config.epilogue_tile[1] * out_dtype.itemsize
+    if epilogue_row_bytes % 32:
+        raise ValueError(
+            f"an epilogue sub-tile row of epi_block_n={config.epilogue_tile[1]} {out_dtype} "
+            f"values is {epilogue_row_bytes} bytes: it must be a multiple of 32 (the smallest "
+            f"SMEM swizzle)"
+        )
     if num_groups == 0:
         return jnp.zeros((0, num_k, num_n), out_dtype)
     if num_rows == 0:

@@ -351,6 +351,9 @@ def test_bad_out_dtype_and_config_raise():
         tgmm(lhs, rhs, sizes, config=rows_split, interpret=True)
     with pytest.raises(ValueError, match="cluster_n must be 1, got 2"):
         tgmm(lhs, rhs, sizes, config=dataclasses.replace(SMALL, cluster_n=2), interpret=True)
+    narrow_epilogue = dataclasses.replace(SMALL, epi_block_n=8)
+    with pytest.raises(ValueError, match="epi_block_n=8 bfloat16 values is 16 bytes"):
+        tgmm(lhs, rhs, sizes, config=narrow_epilogue, out_dtype=jnp.bfloat16, interpret=True)
 
 
 @pytest.mark.parametrize(("num_k", "num_n"), [(2048, 1536), (768, 2048), (64, 64), (192, 320)])
