@@ -174,9 +174,10 @@ def _tgmm_kernel(
          unit (after wgmma_wait(1)), and a unit's last stage after its final wgmma_wait(0).
          The memory warpgroup waits on a stage's `consumed` barrier before every reuse.
       6. The memory and compute warpgroups walk the same units in the same order and count the
-         same row blocks (a carry of the unit loop), so step s always uses stage
-         s % max_concurrent_steps and every barrier's phases are waited in order, each exactly
-         once by each waiter. Units of empty groups load nothing and store zeros.
+         same row blocks (a carry of the unit loop; each reads a unit's block count from the
+         unit's own group's row of `blocks_g_ref`, loaded one unit ahead), so step s always
+         uses stage s % max_concurrent_steps and every barrier's phases are waited in order,
+         each exactly once by each waiter. Units of empty groups load nothing and store zeros.
     """
     num_k, num_n = lhs_mk_ref.shape[1], rhs_mn_ref.shape[1]
     # Names in this kernel: block_m rows of a group per step, an output tile [tile_k, tile_n].
