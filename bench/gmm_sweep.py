@@ -10,7 +10,9 @@ TileConfigs: the current default first, then the candidates of `candidates()`, e
 reason it is in the list. Every run is built, checked (against torch's output on every element
 and reference.py on a few groups), run again and compared bitwise, then timed: all by
 bench/grouped_gemm_h200.py's own `run_candidate` (same check, same timing method: median of
->= 10 samples of back-to-back calls between two syncs).
+>= 10 samples of back-to-back calls between two syncs). With --paired (the default) every run
+of ours is timed in alternation with torch (`grouped_gemm_h200.time_paired`) and its x torch is
+the median of the per-pair ratios torch_i / ours_i.
 
 Order: pass 0 runs torch and the default of every pair, pass i the i-th candidate of every pair,
 so a run cut short (the --budget-s clock stops starting runs) still covers every pair. After every
@@ -310,6 +312,7 @@ class Pair:
     record: dict  # what goes into sweep.json
     full: tuple | None = None  # all-elements reference (torch's checked output, or XLA's)
     subsets: tuple | None = None
+    torch_runner: gg.Runner | None = None  # torch, checked and timed: --paired times with it
 
 
 class Sweep:
@@ -348,6 +351,15 @@ class Sweep:
                 f"warm-up + 1 calibration call, then the median of {args.timed} samples of >= "
                 f"{args.sample_s * 1e3:.0f} ms (back-to-back calls between two syncs, host "
                 "clock); TFLOP/s = 2*M*K*N / median; uniform routing, seed 0"
+                + (
+                    "; --paired: each run of ours timed in alternation with torch (sample i of "
+                    "torch, then sample i of ours, same method), x torch = the median of the "
+                    "per-pair ratios torch_i / ours_i [25th-75th percentile], x default = a "
+                    "run's x torch over the default's, the best run = the highest x torch; "
+                    "the ratio of separately timed medians kept as x torch unpaired"
+                    if args.paired
+                    else ""
+                )
                 + (smoke_note if args.smoke else "")
             ),
             "args": {
@@ -411,6 +423,7 @@ class Sweep:
             self.save()
             return
         (cand,) = gg.Bench(self.args, p).torch_candidates(pair.product)
+        keep: dict[str, Any] = {}
         rec, outs = gg.run_candidate(
             cand,
             product=pair.product,
@@ -419,13 +432,16 @@ class Sweep:
             sizes=p.sizes,
             args=self.args,
             clock=self.clock,
+            keep=keep,
         )
         self._summarize(pair, rec)
         pair.record["torch"] = rec
         if rec.get("check", {}).get("ok"):
             pair.full = outs
             pair.record["full_reference"] = "torch (this pair's checked output)"
-        del outs
+            if self.args.paired and "timing" in rec:
+                pair.torch_runner = keep.get("runner")
+        del outs, keep
         self.save()
 
     def _run_trial(self, pair: Pair, trial: Trial) -> None:
@@ -463,6 +479,7 @@ class Sweep:
             sizes=p.sizes,
             args=self.args,
             clock=self.clock,
+            paired_with=pair.torch_runner,
         )
         del outs
         result.pop("name", None)
@@ -477,7 +494,10 @@ class Sweep:
         return f"skipped: time budget ({self.clock.elapsed():.0f} s of {self.clock.budget_s:.0f})"
 
     def _summarize(self, pair: Pair, rec: dict) -> None:
-        """Flat fields of a run: ok, median_ms, tflops, x_torch, x_default."""
+        """Flat fields of a run: ok, median_ms, tflops, x_torch, x_default; paired runs also
+        x_torch_unpaired (the ratio of the medians) and x_torch_p25_p75, and their x_torch is
+        the paired one (x_default then the ratio of the two runs' paired x_torch: each against
+        torch timed beside it)."""
         rec["ok"] = bool(rec.get("check", {}).get("ok")) and "timing" in rec
         if "timing" in rec:
             ms = rec["timing"]["median_ms"]
@@ -486,6 +506,10 @@ class Sweep:
             torch_ms = (pair.record.get("torch") or {}).get("median_ms")
             if torch_ms:
                 rec["x_torch"] = torch_ms / ms
+            if "x_torch_paired" in rec:
+                rec["x_torch_unpaired"] = rec.get("x_torch")
+                rec["x_torch"] = rec["x_torch_paired"]
+                rec["x_torch_p25_p75"] = rec["x_torch_paired_p25_p75"]
             default = next(
                 (
                     r
@@ -495,12 +519,24 @@ class Sweep:
                 None,
             )
             if default is not None and rec is not default:
-                rec["x_default"] = default["median_ms"] / ms
+                if "x_torch_paired" in rec and "x_torch_paired" in default:
+                    rec["x_default"] = rec["x_torch_paired"] / default["x_torch_paired"]
+                else:
+                    rec["x_default"] = default["median_ms"] / ms
         best = best_run(pair.record)
         if best is None:
             pair.record["best"] = None
         else:
-            keys = ("label", "config", "median_ms", "tflops", "x_torch", "x_default")
+            keys = (
+                "label",
+                "config",
+                "median_ms",
+                "tflops",
+                "x_torch",
+                "x_torch_p25_p75",
+                "x_torch_unpaired",
+                "x_default",
+            )
             pair.record["best"] = {k: best[k] for k in keys if k in best}
         _print_run(pair, rec)
 
@@ -517,13 +553,18 @@ def _default_run(pair_record: dict) -> dict | None:
 
 
 def best_run(pair_record: dict) -> dict | None:
-    """The fastest run of our kernel that passed its check and repeated bitwise."""
+    """The fastest run of our kernel that passed its check and repeated bitwise: the highest
+    paired x torch when every such run was paired with torch, else the lowest median."""
     passing = [
         r
         for r in pair_record["runs"]
         if r.get("ok") and r.get("bitwise_repeatable", {}).get("identical", False)
     ]
-    return min(passing, key=lambda r: r["median_ms"]) if passing else None
+    if not passing:
+        return None
+    if all("x_torch_paired" in r for r in passing):
+        return max(passing, key=lambda r: r["x_torch_paired"])
+    return min(passing, key=lambda r: r["median_ms"])
 
 
 def best_configs(sweep: dict) -> dict[tuple[str, str], dict]:
@@ -573,6 +614,16 @@ def _cell(rec: dict | None, key: str, fmt: str) -> str:
     return format(rec[key], fmt)
 
 
+def _x_torch_cell(rec: dict | None) -> str:
+    """x torch; a paired one with its 25th-75th percentile."""
+    if not rec or rec.get("x_torch") is None:
+        return "-"
+    if "x_torch_p25_p75" not in rec:
+        return f"{rec['x_torch']:.3f}"
+    lo, hi = rec["x_torch_p25_p75"]
+    return f"{rec['x_torch']:.3f} [{lo:.3f}-{hi:.3f}]"
+
+
 def _config_brief(config: dict, base: dict | None) -> str:
     if base is None:
         return ", ".join(f"{k}={v}" for k, v in config.items())
@@ -602,6 +653,10 @@ def render_markdown(results: dict) -> str:
         "",
         "## Best passing config per (product, shape)",
         "",
+        "x torch: paired where it shows a [25th-75th percentile] (the median of torch_i / "
+        "ours_i over samples timed in alternation), else torch's median over ours, timed "
+        "apart (x torch unpaired in 'Every run').",
+        "",
         "| product | shape | torch ms | default ms | default x torch | best | best ms "
         "| best x torch | best x default | best config (changes from the default) |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -612,25 +667,25 @@ def render_markdown(results: dict) -> str:
         base = default["config"] if default else None
         lines.append(
             f"| {pair['product']} | {pair['shape']} | {_cell(pair['torch'], 'median_ms', '.3f')} "
-            f"| {_cell(default, 'median_ms', '.3f')} | {_cell(default, 'x_torch', '.3f')} "
+            f"| {_cell(default, 'median_ms', '.3f')} | {_x_torch_cell(default)} "
             f"| {best['label'] if best else '-'} | {_cell(best, 'median_ms', '.3f')} "
-            f"| {_cell(best, 'x_torch', '.3f')} | {_cell(best, 'x_default', '.3f')} "
+            f"| {_x_torch_cell(best)} | {_cell(best, 'x_default', '.3f')} "
             f"| {_config_brief(best['config'], base) if best else '-'} |"
         )
     lines += [
         "",
         "## Every run",
         "",
-        "| product | shape | run | median ms | TFLOP/s | x torch | x default | status "
-        "| config (changes from the default) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| product | shape | run | median ms | TFLOP/s | x torch | x torch unpaired "
+        "| x default | status | config (changes from the default) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for pair in results["pairs"]:
         torch_rec = pair["torch"] or {"status": "not run"}
         lines.append(
             f"| {pair['product']} | {pair['shape']} | torch._grouped_mm "
             f"| {_cell(torch_rec, 'median_ms', '.3f')} | {_cell(torch_rec, 'tflops', '.1f')} "
-            f"| - | - | {_status(torch_rec)} | - |"
+            f"| - | - | - | {_status(torch_rec)} | - |"
         )
         default = _default_run(pair)
         base = default["config"] if default else None
@@ -639,7 +694,8 @@ def render_markdown(results: dict) -> str:
             lines.append(
                 f"| {pair['product']} | {pair['shape']} | {rec['label']} "
                 f"| {_cell(rec, 'median_ms', '.3f')} | {_cell(rec, 'tflops', '.1f')} "
-                f"| {_cell(rec, 'x_torch', '.3f')} | {_cell(rec, 'x_default', '.3f')} "
+                f"| {_x_torch_cell(rec)} | {_cell(rec, 'x_torch_unpaired', '.3f')} "
+                f"| {_cell(rec, 'x_default', '.3f')} "
                 f"| {_status(rec)} | {brief} |"
             )
     lines += ["", "## Why each candidate", ""]
@@ -674,6 +730,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=2, help="runs compared bitwise")
     ap.add_argument("--sample-s", type=float, default=None, help="least time of one sample")
     ap.add_argument("--subset-rows", type=int, default=256)
+    ap.add_argument(
+        "--paired",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="time each run of ours in alternation with torch and take x torch from the "
+        "per-pair ratios (default: on; ~0.1 s more a run, see bench/README.md)",
+    )
     argv = list(argv) if argv is not None else None
     args = ap.parse_args(argv)
     import sys

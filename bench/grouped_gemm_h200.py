@@ -25,6 +25,10 @@ What it does, per shape (DESIGN.md's five plus qwen3 gate_up under Zipf routing)
   4. Timing: warm-up, then >= 10 timed samples; a sample is `reps` back-to-back calls between
      two device synchronizations (host clock), divided by `reps` (reps makes a sample >= ~5 ms
      so launch and sync overhead stay out; the same method for JAX and torch). Median, min, max.
+     Our kernels (--paired, the default) are timed in alternation with torch instead (sample i
+     of torch, then sample i of ours, ...: `time_paired`), and also get the median of the
+     per-pair ratios torch_i / ours_i with its 25th-75th percentile: drift of the device over
+     the run moves both sides of a pair alike. The other candidates are timed alone.
   TFLOP/s counts 2*M*K*N (M = routed rows; backward counts twice that); ratio = torch time /
   candidate time (> 1: faster than torch).
 A candidate that cannot be imported or built is reported as "not available: <reason>"; one that
@@ -918,13 +922,8 @@ def check(outs: tuple, full: tuple | None, subsets: tuple[Subset, ...], sizes: n
 # Timing
 
 
-def time_runner(
-    runner: Runner, *, warmup: int, timed: int, target_sample_s: float, keep: dict | None = None
-) -> dict:
-    """Median of `timed` samples after warm-up. A sample is `reps` back-to-back calls between two
-    syncs, over reps; reps makes a sample last >= target_sample_s. A first call longer than
-    SLOW_CALL_S (XLA's ragged_dot: 40-165 ms) is the whole warm-up (reps is 1 for it anyway),
-    so a slow candidate costs 1 + timed calls here. `keep["out"]`: the last output."""
+def _warm_up(runner: Runner, *, warmup: int, target_sample_s: float) -> tuple[int, int]:
+    """Warm-up and calibration of time_runner: (reps per sample, calls made)."""
     t0 = time.perf_counter()
     out = runner.call()
     runner.sync(out)
@@ -939,26 +938,93 @@ def time_runner(
         runner.sync(out)
         single_s = time.perf_counter() - t0
         warm_calls += warmup + 1
-    reps = max(1, min(50, round(target_sample_s / max(single_s, 1e-9))))
-    samples = []
-    for _ in range(timed):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            out = runner.call()
-        runner.sync(out)
-        samples.append((time.perf_counter() - t0) / reps * 1e3)
-    if keep is not None:
-        keep["out"] = out
     del out
+    return max(1, min(50, round(target_sample_s / max(single_s, 1e-9)))), warm_calls
+
+
+def _sample(runner: Runner, reps: int) -> tuple[float, Any]:
+    """One sample: `reps` back-to-back calls between two syncs, in ms a call; and the output."""
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        out = runner.call()
+    runner.sync(out)
+    return (time.perf_counter() - t0) / reps * 1e3, out
+
+
+def _timing(samples: list[float], reps: int, warm_calls: int) -> dict:
     return {
         "median_ms": float(np.median(samples)),
         "min_ms": float(np.min(samples)),
         "max_ms": float(np.max(samples)),
         "reps_per_sample": reps,
-        "samples": timed,
+        "samples": len(samples),
         "warmup": warm_calls,
         "samples_ms": [round(s, 5) for s in samples],
     }
+
+
+def time_runner(
+    runner: Runner, *, warmup: int, timed: int, target_sample_s: float, keep: dict | None = None
+) -> dict:
+    """Median of `timed` samples after warm-up. A sample is `reps` back-to-back calls between two
+    syncs, over reps; reps makes a sample last >= target_sample_s. A first call longer than
+    SLOW_CALL_S (XLA's ragged_dot: 40-165 ms) is the whole warm-up (reps is 1 for it anyway),
+    so a slow candidate costs 1 + timed calls here. `keep["out"]`: the last output."""
+    reps, warm_calls = _warm_up(runner, warmup=warmup, target_sample_s=target_sample_s)
+    samples = []
+    for _ in range(timed):
+        ms, out = _sample(runner, reps)
+        samples.append(ms)
+    if keep is not None:
+        keep["out"] = out
+    del out
+    return _timing(samples, reps, warm_calls)
+
+
+def time_paired(
+    base: Runner,
+    runner: Runner,
+    *,
+    warmup: int,
+    timed: int,
+    target_sample_s: float,
+    keep: dict | None = None,
+) -> tuple[dict, dict, dict]:
+    """`runner` timed in alternation with `base` (torch): each side warmed up and calibrated as
+    time_runner does, then sample i of base, sample i of runner, sample i+1 of base, ... (each
+    sample time_runner's). Drift of the device's clocks, temperature or power over the run
+    moves both sides of a pair alike, so the ratio of a pair (base_i / runner_i) carries less
+    of it than the ratio of two medians timed seconds apart.
+
+    Returns (runner's timing, base's timing, the ratios): timings as time_runner's; the ratios
+    {"median", "p25", "p75", "min", "max", "ratios"} of base_i / runner_i (> 1: runner is
+    faster). `keep["out"]`: runner's last output."""
+    base_reps, base_warm = _warm_up(base, warmup=warmup, target_sample_s=target_sample_s)
+    reps, warm_calls = _warm_up(runner, warmup=warmup, target_sample_s=target_sample_s)
+    base_samples, samples = [], []
+    for _ in range(timed):
+        ms, base_out = _sample(base, base_reps)
+        base_samples.append(ms)
+        del base_out
+        ms, out = _sample(runner, reps)
+        samples.append(ms)
+    if keep is not None:
+        keep["out"] = out
+    del out
+    ratios = np.asarray(base_samples) / np.asarray(samples)
+    paired = {
+        "median": float(np.median(ratios)),
+        "p25": float(np.percentile(ratios, 25)),
+        "p75": float(np.percentile(ratios, 75)),
+        "min": float(np.min(ratios)),
+        "max": float(np.max(ratios)),
+        "ratios": [round(float(r), 5) for r in ratios],
+    }
+    return (
+        _timing(samples, reps, warm_calls),
+        _timing(base_samples, base_reps, base_warm),
+        paired,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1319,10 +1385,24 @@ class Watchdog:
 
 
 def run_candidate(
-    cand: Candidate, *, product, full, subsets, sizes, args, clock
+    cand: Candidate,
+    *,
+    product,
+    full,
+    subsets,
+    sizes,
+    args,
+    clock,
+    paired_with: Runner | None = None,
+    keep: dict | None = None,
 ) -> tuple[dict, tuple]:
     """Build, check, repeat (bitwise), time, and compare the last timed output bitwise too.
-    Returns the record and the checked outputs."""
+    Returns the record and the checked outputs.
+
+    paired_with: a built torch runner of the same product: the candidate is timed in
+    alternation with it (time_paired), and the record gets "x_torch_paired" (the median of the
+    per-pair ratios torch_i / ours_i), "x_torch_paired_p25_p75" and "paired" (torch's timing of
+    the pairs, every ratio). keep: gets "runner", the built runner (to pair others with it)."""
     rec: dict[str, Any] = {"name": cand.name, "family": cand.family, "extra": cand.extra}
     if cand.config_source:
         rec["config_source"] = cand.config_source
@@ -1335,7 +1415,7 @@ def run_candidate(
     t_start = time.perf_counter()
     outs: tuple = ()
     try:
-        outs = _build_check_time(cand, rec, full, subsets, sizes, args)
+        outs = _build_check_time(cand, rec, full, subsets, sizes, args, paired_with, keep)
     finally:
         rec["wall_s"] = round(time.perf_counter() - t_start, 2)
         rec["t_end_s"] = round(clock.elapsed(), 1)
@@ -1343,7 +1423,16 @@ def run_candidate(
     return rec, outs
 
 
-def _build_check_time(cand: Candidate, rec: dict, full, subsets, sizes, args) -> tuple:
+def _build_check_time(
+    cand: Candidate,
+    rec: dict,
+    full,
+    subsets,
+    sizes,
+    args,
+    paired_with: Runner | None = None,
+    keep_runner: dict | None = None,
+) -> tuple:
     if cand.config:
         try:
             rec["config"] = cand.config() if callable(cand.config) else cand.config
@@ -1360,6 +1449,8 @@ def _build_check_time(cand: Candidate, rec: dict, full, subsets, sizes, args) ->
         return ()
     rec["compile_s"] = round(runner.compile_s, 3)
     rec.update(runner.info)
+    if keep_runner is not None:
+        keep_runner["runner"] = runner
     outs: tuple = ()
     try:
         first = runner.call()
@@ -1376,9 +1467,14 @@ def _build_check_time(cand: Candidate, rec: dict, full, subsets, sizes, args) ->
             rec["status"] = "failed check (not timed)"
             return outs
         keep: dict[str, Any] = {}
-        rec["timing"] = time_runner(
-            runner, warmup=args.warmup, timed=args.timed, target_sample_s=args.sample_s, keep=keep
-        )
+        how = dict(warmup=args.warmup, timed=args.timed, target_sample_s=args.sample_s, keep=keep)
+        if paired_with is None:
+            rec["timing"] = time_runner(runner, **how)
+        else:
+            rec["timing"], torch_timing, ratios = time_paired(paired_with, runner, **how)
+            rec["x_torch_paired"] = ratios["median"]
+            rec["x_torch_paired_p25_p75"] = [ratios["p25"], ratios["p75"]]
+            rec["paired"] = {"torch_timing": torch_timing, "x_torch": ratios}
         last = runner.to_jax(keep.pop("out"))
         rec["bitwise_repeatable"]["last_timed_run_identical"] = _all_bits_equal(outs, last)
         del last
@@ -1478,6 +1574,7 @@ def run_problem(shape: Shape, args, clock: Clock, torch_mod, save: Callable[[dic
             planner.finish(ref, entry["reference_s"])
         entry["candidates"], entry["full_reference"] = [], "torch"
         full = None
+        torch_run: Runner | None = None  # checked and timed: ours are timed paired with it
         if planner:
             planner.where = (shape.name, product)
         for cand in bench.candidates(product):
@@ -1485,6 +1582,7 @@ def run_problem(shape: Shape, args, clock: Clock, torch_mod, save: Callable[[dic
                 # torch did not run (or failed its check): XLA in f32 checks all elements.
                 full = full_reference(p, product)
                 entry["full_reference"] = "xla ragged_dot / reference.tgmm in f32 (no torch)"
+            keep: dict[str, Any] = {}
             rec, outs = run_candidate(
                 cand,
                 product=product,
@@ -1493,11 +1591,14 @@ def run_problem(shape: Shape, args, clock: Clock, torch_mod, save: Callable[[dic
                 sizes=p.sizes,
                 args=args,
                 clock=clock,
+                paired_with=torch_run if cand.family == "ours" and args.paired else None,
+                keep=keep if cand.family == "torch" else None,
             )
             rec.setdefault("t_end_s", round(clock.elapsed(), 1))
             if cand.family == "torch" and rec.get("check", {}).get("ok"):
                 full = outs  # torch's result: the all-elements reference of the others
-            del outs
+                torch_run = keep.get("runner") if "timing" in rec else None
+            del outs, keep
             if "timing" in rec:
                 rec["tflops"] = flops / (rec["timing"]["median_ms"] * 1e-3) / 1e12
             entry["candidates"].append(rec)
@@ -1507,7 +1608,7 @@ def run_problem(shape: Shape, args, clock: Clock, torch_mod, save: Callable[[dic
             save(result)
         if product == "backward":
             _derive_ours_backward(result["products"], entry)
-        del full
+        del full, torch_run
         result["wall_s"] = round(time.perf_counter() - t0, 1)
         save(result)
     result["wall_s"] = round(time.perf_counter() - t0, 1)
@@ -1559,13 +1660,14 @@ def rerun_deferred(
         if not any(planner.fits(s) for s in steps if s.product == product):
             continue  # skipped below
         full = None
+        torch_run: Runner | None = None  # ours deferred here are timed paired with it
         try:
             subsets = subset_reference(p, product, cap=args.subset_rows)
             torch_rec = next((c for c in entry["candidates"] if c["family"] == "torch"), None)
             if torch_rec is not None and torch_rec.get("check", {}).get("ok"):
                 (cand,) = [c for c in bench.candidates(product) if c.name == torch_rec["name"]]
-                runner = cand.build()
-                full = runner.to_jax(runner.call())
+                torch_run = cand.build()
+                full = torch_run.to_jax(torch_run.call())
         except Exception as e:  # recorded on the deferred candidates; the others go on
             reason = f"skipped: second pass could not prepare: {type(e).__name__}: {e}"[:1500]
             _mark_skipped(result, [s for s in steps if s.product == product], reason)
@@ -1585,6 +1687,7 @@ def rerun_deferred(
                 sizes=p.sizes,
                 args=args,
                 clock=planner,
+                paired_with=torch_run if cand.family == "ours" and args.paired else None,
             )
             del outs
             rec["second_pass"] = True
@@ -1596,7 +1699,7 @@ def rerun_deferred(
             _ratios(entry)
             _print_rec(product, rec, entry["torch_median_ms"])
             save(result)
-        del full
+        del full, torch_run
     left_over = [s for s in steps if s.state in ("planned", "deferred")]
     _mark_skipped(result, left_over, "skipped: time budget (second pass)")
     planner.skip(shape.name)
@@ -1670,6 +1773,9 @@ def _print_rec(product: str, rec: dict, torch_ms: float | None) -> None:
     if "timing" in rec:
         t = rec["timing"]
         ratio = f" {torch_ms / t['median_ms']:.2f}x torch" if torch_ms else ""
+        if "x_torch_paired" in rec:
+            lo, hi = rec["x_torch_paired_p25_p75"]
+            ratio += f" (paired {rec['x_torch_paired']:.3f}x, p25-p75 {lo:.3f}-{hi:.3f})"
         bits = "bitwise" if rec["bitwise_repeatable"]["identical"] else "NOT bitwise"
         print(
             f"  {product:8s} {rec['name']:40s} {t['median_ms']:9.3f} ms "
@@ -1834,6 +1940,26 @@ def _cell(c: dict | None) -> str:
     return status[:40]
 
 
+def _target_ratio(c: dict) -> float:
+    """The ratio a target is judged on: the paired one where it exists."""
+    return c.get("x_torch_paired", c["x_torch"])
+
+
+def _target_cell(c: dict) -> str:
+    if "x_torch_paired" not in c:
+        return f"{c['x_torch']:.3f}x"
+    lo, hi = c["x_torch_paired_p25_p75"]
+    return f"{c['x_torch_paired']:.3f}x paired [{lo:.3f}-{hi:.3f}] (unpaired {c['x_torch']:.3f}x)"
+
+
+def _paired_cell(c: dict) -> str:
+    if "x_torch_paired" not in c:
+        return "-"
+    lo, hi = c["x_torch_paired_p25_p75"]
+    torch_ms = c["paired"]["torch_timing"]["median_ms"]
+    return f"{c['x_torch_paired']:.3f} [{lo:.3f}-{hi:.3f}]; torch {torch_ms:.3f} ms"
+
+
 def render_markdown(results: dict) -> str:
     env = results["environment"]
     lines = [
@@ -1876,8 +2002,15 @@ def render_markdown(results: dict) -> str:
         lines.append(f"- **{results['stopped']}**")
     lines += ["", "## Targets (ours against torch, measured side by side)", ""]
     lines += [
-        "| shape | forward x torch (>= 1.0) | dgrad x torch (>= 0.9) | wgrad x torch (>= 0.9) "
-        "| backward x torch | swiglu x torch | bitwise (all ours) |",
+        "A cell: the paired ratio where there is one (our kernel timed in alternation with "
+        "torch: the median of the per-pair ratios torch_i / ours_i, [25th-75th percentile]), "
+        "judged against the target; then, as `unpaired`, torch's median over ours from their "
+        "separate timings (each carries the other's drift: up to ~5% run to run). A cell "
+        "without `paired` is the unpaired ratio, judged.",
+        "",
+        "| shape | forward x torch, paired (>= 1.0) | dgrad x torch, paired (>= 0.9) "
+        "| wgrad x torch, paired (>= 0.9) | backward x torch, paired | swiglu x torch, paired "
+        "| bitwise (all ours) |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     want = {"forward": 1.0, "dgrad": 0.9, "wgrad": 0.9, "backward": None, "swiglu": None}
@@ -1900,11 +2033,12 @@ def render_markdown(results: dict) -> str:
                 ours = [c for c in ours if c["name"] == main[product]] or ours
             timed = [c for c in ours if "x_torch" in c]
             if timed:
-                best = max(timed, key=lambda c: c["x_torch"])
+                best = max(timed, key=_target_ratio)
+                ratio = _target_ratio(best)
                 mark = ""
                 if want[product] is not None:
-                    mark = " (met)" if best["x_torch"] >= want[product] else " (**missed**)"
-                cells.append(f"{best['x_torch']:.2f}x{mark}")
+                    mark = " (met)" if ratio >= want[product] else " (**missed**)"
+                cells.append(_target_cell(best) + mark)
             elif any("timing" in c for c in ours):
                 cells.append("no torch time")
             else:
@@ -2009,9 +2143,13 @@ def render_markdown(results: dict) -> str:
             f"Routing: {s['routing']}; group sizes min {gs['min']}, median {gs['median']:.0f}, "
             f"max {gs['max']}, empty {gs['empty']}. Wall time {s.get('wall_s', '-')} s.",
             "",
-            "| product | candidate | median ms | min-max ms | TFLOP/s | x torch | status "
-            "| config |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+            "x torch: torch's median over the candidate's (timed apart); x torch paired: the "
+            "median [25th-75th percentile] of torch_i / ours_i over samples timed in "
+            "alternation, and torch's median in those pairs.",
+            "",
+            "| product | candidate | median ms | min-max ms | TFLOP/s | x torch "
+            "| x torch paired | status | config |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for product, entry in s["products"].items():
             for c in entry.get("candidates", []):
@@ -2025,7 +2163,7 @@ def render_markdown(results: dict) -> str:
                     config = "see 'Tile configs'"
                 lines.append(
                     f"| {product} | {name} | {_fmt_ms(c)} | {span} | {tf} | {xt} | "
-                    f"{_status_cell(c)} | {config[:160]} |"
+                    f"{_paired_cell(c)} | {_status_cell(c)} | {config[:160]} |"
                 )
     return "\n".join(lines) + "\n"
 
@@ -2122,6 +2260,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=None,
         help="a bench.gmm_sweep sweep.json: time our kernels with its best passing config per "
         "(product, shape) instead of the defaults table",
+    )
+    ap.add_argument(
+        "--paired",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="time each of our kernels in alternation with torch (sample i of torch, then "
+        "sample i of ours, ...) and report the median of the per-pair ratios beside the ratio "
+        "of the medians (default: on)",
     )
     ap.add_argument(
         "--time-failed",
@@ -2227,6 +2373,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
             f"(back-to-back calls between two syncs, host clock); TFLOP/s = 2*M*K*N / median"
             + (" (backward: twice that)" if "backward" in args.products else "")
             + f"; XLA ragged_dot timed for {','.join(args.xla_products)}"
+            + (
+                "; our kernels also timed paired with torch (torch re-timed in alternation: "
+                "sample i of torch, then sample i of ours; x torch paired = median of the "
+                "per-pair ratios)"
+                if args.paired
+                else "; no paired timing (--no-paired)"
+            )
             + (
                 "; SMOKE RUN (tiny shapes, interpret mode): no number here means anything"
                 if args.smoke

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import threading
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -215,6 +216,141 @@ def test_a_slow_call_is_its_own_warm_up_and_keeps_its_samples():
     assert timing["reps_per_sample"] == 1 and keep["out"] == 11
 
 
+class _DriftingDevice:
+    """A fake device and host clock: a call takes its base time times a slowdown that grows with
+    the clock (clocks, temperature, power drifting through a run); calls are synchronous."""
+
+    def __init__(self, slowdown_per_s: float):
+        self.now, self.rate, self.calls = 0.0, slowdown_per_s, []
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def runner(self, name: str, base_s: float) -> bench.Runner:
+        def call():
+            self.calls.append(name)
+            self.now += base_s * (1.0 + self.rate * self.now)
+            return name
+
+        return bench.Runner(call=call, sync=lambda _: None, to_jax=None, compile_s=0.0, info={})
+
+
+def test_the_paired_ratio_holds_under_drift_where_the_ratio_of_medians_does_not(monkeypatch):
+    device = _DriftingDevice(slowdown_per_s=1.0)  # 5% slower after 50 ms of calls
+    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=device.perf_counter))
+    torch_side, ours = device.runner("torch", 1e-3), device.runner("ours", 0.95e-3)
+    truth = 1.0 / 0.95  # torch's time over ours at the same device state
+    how = dict(warmup=3, timed=10, target_sample_s=0.005)
+
+    # Unpaired, as every other candidate: torch timed, then ours (the drift in between).
+    torch_alone = bench.time_runner(torch_side, **how)
+    ours_alone = bench.time_runner(ours, **how)
+    unpaired = torch_alone["median_ms"] / ours_alone["median_ms"]
+    assert abs(unpaired - truth) > 0.04, unpaired
+
+    # Paired, later still (the device slower yet): the ratio stays right.
+    device.calls.clear()
+    keep = {}
+    timing, torch_timing, ratios = bench.time_paired(torch_side, ours, **how, keep=keep)
+    assert ratios["median"] == pytest.approx(truth, abs=0.01)
+    assert ratios["p25"] <= ratios["median"] <= ratios["p75"]
+    assert ratios["p75"] - ratios["p25"] < 0.01
+    assert len(ratios["ratios"]) == 10 and keep["out"] == "ours"
+    np.testing.assert_allclose(
+        ratios["ratios"],
+        np.array(torch_timing["samples_ms"]) / np.array(timing["samples_ms"]),
+        rtol=1e-3,
+    )
+    # Each side warmed up and calibrated as time_runner does, then the samples alternate.
+    reps_t, reps_o = torch_timing["reps_per_sample"], timing["reps_per_sample"]
+    assert reps_t > 1 and reps_o > 1 and timing["warmup"] == torch_timing["warmup"] == 5
+    assert device.calls[:10] == ["torch"] * 5 + ["ours"] * 5
+    assert device.calls[10:] == (["torch"] * reps_t + ["ours"] * reps_o) * 10
+    # The medians of the same samples, taken apart, carry the drift between the two sides.
+    assert timing["median_ms"] > ours_alone["median_ms"] > 0.95 * (1 + 0.05)
+
+
+def _ragged_dot(x, w, gs):
+    return jax.lax.ragged_dot(x, w, gs, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def _stand_ins(monkeypatch):
+    """torch and ours both XLA's ragged_dot (forward only): the harness's wiring, cheaply."""
+
+    def torch_candidates(self, product):
+        p = self.p
+        build = lambda: bench.jax_runner(_ragged_dot, p.x, p.w, p.gs)  # noqa: E731
+        return (
+            [bench.Candidate("torch._grouped_mm", "torch", build)] if product == "forward" else []
+        )
+
+    def ours_candidates(self, product):
+        p = self.p
+        build = lambda: bench.jax_runner(_ragged_dot, p.x, p.w, p.gs)  # noqa: E731
+        return (
+            [bench.Candidate("ours mosaic_gpu.gmm", "ours", build)] if product == "forward" else []
+        )
+
+    monkeypatch.setattr(bench.Bench, "torch_candidates", torch_candidates)
+    monkeypatch.setattr(bench.Bench, "ours_candidates", ours_candidates)
+
+
+@pytest.mark.parametrize("paired", [True, False])
+def test_ours_are_timed_paired_with_torch_and_the_others_are_not(tmp_path, monkeypatch, paired):
+    _stand_ins(monkeypatch)
+    flags = ["--smoke", "--no-ceilings", "--families", "torch,ours,xla", "--products", "forward"]
+    out = ["--shapes", "smoke_uniform", "--timed", "4", "--out", str(tmp_path)]
+    results = bench.main([*flags, *out, *([] if paired else ["--no-paired"])])
+    torch_rec, ours, xla = results["shapes"][0]["products"]["forward"]["candidates"]
+    assert [c["family"] for c in (torch_rec, ours, xla)] == ["torch", "ours", "xla"]
+    assert all(c["status"] == "ok" for c in (torch_rec, ours, xla))
+    assert "paired" not in torch_rec and "paired" not in xla and "x_torch_paired" not in xla
+    assert xla["x_torch"] == torch_rec["timing"]["median_ms"] / xla["timing"]["median_ms"]
+    text = (tmp_path / "grouped_gemm_h200.md").read_text()
+    targets = text.split("## Targets")[1].split("\n## ")[0]
+    (target_row,) = [line for line in targets.splitlines() if line.startswith("| smoke_uniform |")]
+    if not paired:
+        assert "x_torch_paired" not in ours and "paired" not in ours
+        assert target_row.startswith(f"| smoke_uniform | {ours['x_torch']:.3f}x (")
+        return
+    ratios = ours["paired"]["x_torch"]
+    torch_ms = np.array(ours["paired"]["torch_timing"]["samples_ms"])
+    ours_ms = np.array(ours["timing"]["samples_ms"])
+    assert len(torch_ms) == len(ours_ms) == len(ratios["ratios"]) == 4
+    np.testing.assert_allclose(ratios["ratios"], torch_ms / ours_ms, rtol=1e-3)
+    assert (
+        ours["x_torch_paired"]
+        == ratios["median"]
+        == pytest.approx(np.median(torch_ms / ours_ms), rel=1e-3)  # samples_ms: 5 decimals
+    )
+    assert ours["x_torch_paired_p25_p75"] == [ratios["p25"], ratios["p75"]]
+    lo, hi = ours["x_torch_paired_p25_p75"]
+    assert target_row.startswith(
+        f"| smoke_uniform | {ours['x_torch_paired']:.3f}x paired [{lo:.3f}-{hi:.3f}] "
+        f"(unpaired {ours['x_torch']:.3f}x) ("
+    )
+    assert "forward x torch, paired (>= 1.0)" in text
+    (row,) = [line for line in text.splitlines() if line.startswith("| forward | ours mosaic")]
+    assert f"| {ours['x_torch_paired']:.3f} [{lo:.3f}-{hi:.3f}]; torch " in row
+
+
+def test_markdown_judges_a_target_on_the_paired_ratio_and_shows_the_unpaired():
+    results = _forward_result(
+        **{
+            "torch._grouped_mm": ("torch", 700.0, False),
+            "ours mosaic_gpu.gmm": ("ours", 679.0, False),  # 0.97x torch, timed apart
+        }
+    )
+    ours = results["shapes"][0]["products"]["forward"]["candidates"][1]
+    ours.update(x_torch_paired=1.012, x_torch_paired_p25_p75=[1.004, 1.020])
+    ours["paired"] = {"torch_timing": {"median_ms": 1.25}, "x_torch": {}}
+    text = bench.render_markdown(results)
+    assert "| qwen3_gate_up | 1.012x paired [1.004-1.020] (unpaired 0.970x) (met) |" in text
+    ours["x_torch_paired"] = 0.99
+    text = bench.render_markdown(results)
+    assert "| qwen3_gate_up | 0.990x paired [1.004-1.020] (unpaired 0.970x) (**missed**) |" in text
+
+
 def test_the_watchdog_stops_the_run_naming_the_running_step():
     (step,) = _steps((0, 1.0))
     planner = bench.Planner(10.0, [step])
@@ -285,7 +421,7 @@ def test_markdown_tables_ratios_configs_and_design_deviation():
         }
     )
     text = bench.render_markdown(results)
-    assert "| qwen3_gate_up | 1.10x (met) | skipped |" in text
+    assert "| qwen3_gate_up | 1.100x (met) | skipped |" in text
     assert "bitwise x3: yes |" in text
     assert "| qwen3_gate_up | 700.0 (1.00x) | 770.0 (1.10x) | 200.0 (0.29x) |" in text
     rows = [line for line in text.splitlines() if line.startswith("| qwen3_gate_up | torch.")]
@@ -308,7 +444,7 @@ def test_markdown_flags_a_kernel_that_is_slower_or_not_repeatable():
     entry = results["shapes"][0]["products"]["forward"]
     entry["candidates"][1]["bitwise_repeatable"]["last_timed_run_identical"] = False
     text = bench.render_markdown(results)
-    assert "| qwen3_gate_up | 0.50x (**missed**) |" in text
+    assert "| qwen3_gate_up | 0.500x (**missed**) |" in text
     assert "bitwise x3: yes; last timed run: **NO** |" in text
 
 

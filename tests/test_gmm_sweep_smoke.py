@@ -10,6 +10,7 @@ import json
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from bench import gmm_sweep as sweep
@@ -137,6 +138,12 @@ def _fake_forward(p, config, interpret):
     return (_right if config == default else _wrong), (p.x, p.w, p.gs)
 
 
+def _fake_right_forward(p, config, interpret):
+    """A stand-in for gmm, right for every config (XLA's ragged_dot in bf16)."""
+    del config, interpret
+    return (lambda x, w, gs: _right(x, w, gs).astype(x.dtype)), (p.x, p.w, p.gs)
+
+
 def test_a_wrong_config_fails_its_check_and_is_never_the_best(tmp_path, monkeypatch):
     monkeypatch.setitem(sweep.KERNELS, "forward", _fake_forward)
     results = sweep.main(["--smoke", "--products", "forward", "--out", str(tmp_path)])
@@ -150,6 +157,54 @@ def test_a_wrong_config_fails_its_check_and_is_never_the_best(tmp_path, monkeypa
     saved = json.loads((tmp_path / "sweep.json").read_text())
     assert sweep.best_configs(saved)[("forward", "smoke_uniform")]["label"] == "default"
     assert "**failed check**" in (tmp_path / "sweep.md").read_text()
+
+
+def _stand_in_torch(monkeypatch):
+    """torch._grouped_mm as XLA's ragged_dot (no torch here): a yardstick to pair runs with."""
+
+    def torch_candidates(self, product):
+        p = self.p
+        fn = lambda x, w, gs: _right(x, w, gs).astype(x.dtype)  # noqa: E731
+        return [
+            gg.Candidate("torch._grouped_mm", "torch", lambda: gg.jax_runner(fn, *(p.x, p.w, p.gs)))
+        ]
+
+    monkeypatch.setattr(gg.Bench, "torch_candidates", torch_candidates)
+
+
+@pytest.mark.parametrize("paired", [True, False])
+def test_x_torch_comes_from_timing_each_run_paired_with_torch(tmp_path, monkeypatch, paired):
+    monkeypatch.setitem(sweep.KERNELS, "forward", _fake_right_forward)
+    _stand_in_torch(monkeypatch)
+    args = ["--smoke", "--products", "forward", "--timed", "5", "--out", str(tmp_path)]
+    results = sweep.main([*args, *([] if paired else ["--no-paired"])])
+    (pair,) = results["pairs"]
+    torch_rec = pair["torch"]
+    assert torch_rec["ok"] and "paired" not in torch_rec
+    runs = pair["runs"]
+    assert [r["label"] for r in runs] == ["default", "order_m2"] and all(r["ok"] for r in runs)
+    text = (tmp_path / "sweep.md").read_text()
+    if not paired:
+        for r in runs:
+            assert "paired" not in r and "x_torch_unpaired" not in r
+            assert r["x_torch"] == torch_rec["median_ms"] / r["median_ms"]
+        assert runs[1]["x_default"] == runs[0]["median_ms"] / runs[1]["median_ms"]
+        return
+    for r in runs:
+        torch_ms = np.array(r["paired"]["torch_timing"]["samples_ms"])
+        ours_ms = np.array(r["timing"]["samples_ms"])
+        assert len(torch_ms) == len(ours_ms) == 5
+        np.testing.assert_allclose(r["paired"]["x_torch"]["ratios"], torch_ms / ours_ms, rtol=1e-3)
+        assert r["x_torch"] == r["x_torch_paired"] == r["paired"]["x_torch"]["median"]
+        assert r["x_torch_unpaired"] == torch_rec["median_ms"] / r["median_ms"]
+        lo, hi = r["x_torch_p25_p75"]
+        assert lo <= r["x_torch"] <= hi
+        assert f"| {r['label']} | {r['median_ms']:.3f} | " in text
+        assert f"| {r['x_torch']:.3f} [{lo:.3f}-{hi:.3f}] | {r['x_torch_unpaired']:.3f} | " in text
+    assert runs[1]["x_default"] == runs[1]["x_torch"] / runs[0]["x_torch"]
+    best = max(runs, key=lambda r: r["x_torch"])
+    assert pair["best"]["label"] == best["label"]
+    assert pair["best"]["x_torch_p25_p75"] == best["x_torch_p25_p75"]
 
 
 def test_no_run_starts_after_the_budget(tmp_path):
