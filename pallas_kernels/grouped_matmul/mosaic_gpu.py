@@ -38,10 +38,13 @@ Invariants (numbered; the tests check each):
      fills in) are computed and never stored; they do not touch the group's rows.
   5. A stage is refilled only after every consumer released it, and a consumer releases a
      stage only after the wgmmas that read it completed: with delay_release=1 step s's stage
-     is released at step s + 1 (after wgmma_wait(1)) and a tile's last stage after its final
-     wgmma_wait(0); with delay_release=0 each stage right after wgmma_wait(0). The producer
-     waits on a stage's `consumed` barrier before every reuse (test_no_races_between_warpgroups
-     under the interpreter's race detector and barrier checks).
+     is released at step s + 1 (after wgmma_wait(num_rhs): step s's own wgmmas may still run)
+     and a tile's last stage after its final wgmma_wait(0); with delay_release=0 each stage
+     right after wgmma_wait(0). The producer waits on a stage's `consumed` barrier before
+     every reuse. The interpreter's race detector and barrier checks hold the protocol
+     (test_no_races_between_warpgroups: arrivals, phases, the order of refills); it runs
+     wgmma synchronously, so the wgmma side of the rule is held on the GPU
+     (test_gpu_release_delay_does_not_change_bits: two stages, 64 K steps).
   6. The producer and the consumers walk the same tiles in the same order and count the same
      K steps (a carry of the tile loop), so step n always uses stage n % max_concurrent_steps
      and every barrier's phases are waited in order, each exactly once by each waiter. Tiles
@@ -393,7 +396,9 @@ def _kernel(
                                 rhs_tile = rhs_tile.at[:, pl.ds(col_off, consumer_n)]
                             plgpu.wgmma(acc, lhs_tile, rhs_tile)
                         # Invariant 5: a stage is released once the wgmmas reading it are done.
-                        plgpu.wgmma_wait(delay)
+                        # Each wgmma is its own group: keeping `delay` steps in flight is
+                        # delay * num_rhs groups (gmm_swiglu's gate and up of this step).
+                        plgpu.wgmma_wait(delay * num_rhs)
                         if delay:
 
                             @pl.when(k > 0)
@@ -405,6 +410,13 @@ def _kernel(
                         return accs
 
                     def acc_scope(*accs):
+                        if has_row_scale:
+                            # Loaded before the K loop, so its latency hides behind it.
+                            scale = plgpu.load(
+                                scale_ref.at[pl.ds(row0 + row_off, consumer_m)],
+                                layout=plgpu.Layout.WGMMA.reduce(1),
+                                optimized=False,
+                            )
                         accs = lax.fori_loop(0, k_steps, k_step, accs)
                         if delay:
                             plgpu.wgmma_wait(0)
@@ -417,11 +429,6 @@ def _kernel(
                         else:
                             (out_f32,) = values
                         if has_row_scale:
-                            scale = plgpu.load(
-                                scale_ref.at[pl.ds(row0 + row_off, consumer_m)],
-                                layout=plgpu.Layout.WGMMA.reduce(1),
-                                optimized=False,
-                            )
                             out_f32 = out_f32 * lax.broadcast_in_dim(scale, out_f32.shape, [0])
                         epilogue(out_f32, row0, lo, hi, ni)
 
@@ -544,6 +551,14 @@ def _check_config(config: TileConfig, *, k: int, n: int, itemsize: int, out_item
             f"cluster_n={config.cluster_n} needs an even number of column tiles, got "
             f"N={n} / block_n={config.block_n} = {n // config.block_n}"
         )
+    epi_row_bytes = config.epilogue_tile[1] * out_itemsize
+    if epi_row_bytes % 128:
+        # A group boundary's rows are TMA-stored one by one from shared memory, whose
+        # addresses TMA needs 128-byte aligned: an epilogue row must be a multiple of that.
+        raise ValueError(
+            f"epi_block_n={config.epilogue_tile[1]} x {out_itemsize}-byte outputs = "
+            f"{epi_row_bytes} bytes a row: it must be a multiple of 128"
+        )
     smem = config.smem_bytes(itemsize=itemsize, out_itemsize=out_itemsize, num_rhs=nr)
     limit = tuning.DEVICES[tuning.resolve_device_kind()].smem_bytes
     if smem > limit:
@@ -575,7 +590,7 @@ def _grouped_call(
     num_rows = lhs_mk.shape[0]
     num_groups = rhs[0].shape[0]
     n = rhs[0].shape[1] if transpose_rhs else rhs[0].shape[2]
-    if num_rows == 0 or num_groups == 0:
+    if num_rows == 0 or num_groups == 0 or lhs_mk.shape[1] == 0:
         return jnp.zeros((num_rows, n), out_dtype)
     block_m = config.block_m
     # A TMA box may not be taller than its tensor: tiny inputs are padded to one tile (lhs and

@@ -253,9 +253,12 @@ def test_no_races_between_warpgroups(product, delay_release, consumer_dim):
     sizes = (70, 0, 100, 3, 64)
     lhs, w_gate, group_sizes, _, key = _inputs(m, k, n, sizes)
     w_up = (jax.random.normal(key, w_gate.shape, jnp.float32) / 4).astype(jnp.bfloat16)
+    # 128 x 256 tiles: each consumer stores four 64 x 64 sub-tiles, so the epilogue reuses
+    # its two buffers inside a tile, and row boundaries fall inside a consumer's part.
     config = dataclasses.replace(
         SMALL,
-        block_m=128 if consumer_dim == "m" else SMALL.block_m,
+        block_m=128,
+        block_n=256,
         delay_release=delay_release,
         max_concurrent_steps=2,
         consumer_dim=consumer_dim,
@@ -277,6 +280,11 @@ def test_no_rows_and_no_groups():
     out = mosaic_gpu.gmm(lhs[:0], rhs, jnp.array([0], jnp.int32), config=SMALL, interpret=True)
     chex.assert_shape(out, (0, 128))
     out = mosaic_gpu.gmm(lhs, rhs[:0], jnp.zeros((0,), jnp.int32), config=SMALL, interpret=True)
+    chex.assert_trees_all_equal(out, jnp.zeros((8, 128), jnp.bfloat16))
+    # K = 0: an empty sum is 0 (no kernel runs, no barrier is touched).
+    out = mosaic_gpu.gmm(
+        lhs[:, :0], rhs[:, :0], jnp.array([8], jnp.int32), config=SMALL, interpret=True
+    )
     chex.assert_trees_all_equal(out, jnp.zeros((8, 128), jnp.bfloat16))
 
 
@@ -356,6 +364,9 @@ def _bad_call(kind):
             lhs, rhs, sizes, config=TileConfig(block_n=128, max_concurrent_steps=12)
         ),
         "swiglu_up": lambda: mosaic_gpu.gmm_swiglu(lhs, rhs, rhs[:, :, :64], sizes),
+        "epi_row": lambda: mosaic_gpu.gmm(
+            lhs, rhs, sizes, config=dataclasses.replace(SMALL, epi_block_n=32), interpret=True
+        ),
         "cluster_odd": lambda: mosaic_gpu.gmm(
             lhs, rhs, sizes, config=dataclasses.replace(SMALL, cluster_n=2), interpret=True
         ),
@@ -378,6 +389,10 @@ def _bad_call(kind):
         ("scale", r"row_scale_m must be float32 \[M=64\], got float32 \(10,\)"),
         ("smem", "bytes of shared memory, more than the"),
         ("swiglu_up", r"w_up shape \(1, 128, 64\) must equal w_gate shape \(1, 128, 128\)"),
+        (
+            "epi_row",
+            "epi_block_n=32 x 2-byte outputs = 64 bytes a row: it must be a multiple of 128",
+        ),
         ("cluster_odd", "cluster_n=2 needs an even number of column tiles, got N=128"),
     ],
 )
@@ -483,6 +498,48 @@ def test_gpu_real_size_values_and_bitwise_repeatability(transpose_rhs):
     expected = _sampled_rows_reference(lhs, rhs, sizes, rows, transpose_rhs=transpose_rhs)
     _assert_close(np.asarray(outs[0])[rows], expected, jnp.float32)
     chex.assert_trees_all_equal(outs[0][-100:], jnp.zeros((100, n), jnp.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("product", ["gmm", "swiglu", "cluster2"])
+def test_gpu_release_delay_does_not_change_bits(product):
+    """Invariant 5 on the hardware (the interpreter runs wgmma synchronously, so only the GPU
+    can show a stage refilled under a running wgmma): two stages and 64 K steps a tile, so
+    the producer refills each stage right after its release; delay_release=1 (one step of
+    wgmmas in flight when a stage is released) must give the bits of delay_release=0 and the
+    reference's values. Clusters of two CTAs run the same check with the multicast lhs."""
+    m, k, n, g = 4096, 4096, 512, 8
+    keys = jax.random.split(jax.random.key(5), 3)
+    lhs = jax.random.normal(keys[0], (m, k), jnp.float32).astype(jnp.bfloat16)
+    rhs = (jax.random.normal(keys[1], (g, k, n), jnp.float32) / 64).astype(jnp.bfloat16)
+    w_up = (jax.random.normal(keys[2], (g, k, n), jnp.float32) / 64).astype(jnp.bfloat16)
+    sizes = _uniform_group_sizes(m - 40, g, 1)
+    base = mosaic_gpu.default_config(n=n, swiglu=product == "swiglu")
+    base = dataclasses.replace(
+        base, max_concurrent_steps=2, cluster_n=2 if product == "cluster2" else 1
+    )
+
+    def run(delay):
+        config = dataclasses.replace(base, delay_release=delay)
+        if product == "swiglu":
+            return jax.jit(lambda a, b, c, s: mosaic_gpu.gmm_swiglu(a, b, c, s, config=config))(
+                lhs, rhs, w_up, sizes
+            )
+        return jax.jit(
+            lambda a, b, s: mosaic_gpu.gmm(a, b, s, out_dtype=jnp.float32, config=config)
+        )(lhs, rhs, sizes)
+
+    delayed, eager = run(1), run(0)
+    chex.assert_trees_all_equal(delayed, eager)
+    rows = np.random.default_rng(6).choice(m - 40, 128, replace=False)
+    if product == "swiglu":
+        gate = _sampled_rows_reference(lhs, rhs, sizes, rows)
+        up = _sampled_rows_reference(lhs, w_up, sizes, rows)
+        expected = gate / (1 + np.exp(-gate)) * up
+        _assert_close(np.asarray(delayed)[rows], expected, jnp.bfloat16)
+    else:
+        expected = _sampled_rows_reference(lhs, rhs, sizes, rows)
+        _assert_close(np.asarray(delayed)[rows], expected, jnp.float32)
 
 
 @pytest.mark.gpu
