@@ -1,9 +1,9 @@
 """implementation="pallas" under a mesh: the Mosaic GPU grouped GEMMs inside `jax.shard_map`.
 
 On CPU the kernels run in GPU interpret mode (small shapes, few cases: it is slow) on 1 and 2
-devices, with the ragged exchange only (one of six ring runs on 2 interpreted devices hit a
-KeyError in the interpreter's buffer bookkeeping, another cross-device race of jax 0.11.2's
-interpreter), and the forward+backward is lowered for CUDA on larger meshes. y and dx are the
+devices, with the ragged exchange only (the ring's extra kernels on 2 interpreted devices hit
+jax 0.11.2's cross-device interpreter races more often; `gpu_interpret_on_several_devices`
+works around the two we met), and the forward+backward is lowered for CUDA on larger meshes. y and dx are the
 same bits as 'pallas' on one device: a row's result does not depend on the tile count (every
 kernel tile is one dot of a fixed shape, and a row's K-loop does not depend on its tile's
 neighbours); the rest is held to 'xla' under the same mesh to the bf16 tolerance.
@@ -49,14 +49,21 @@ MOSAIC_GPU_CALL = re.compile(r"stablehlo\.custom_call @mosaic_gpu")
 
 @contextlib.contextmanager
 def gpu_interpret_on_several_devices():
-    """Works around a race in jax 0.11.2's GPU interpret mode under a multi-device shard_map:
-    at the end of a kernel each device checks that no barrier of ANY device is still
-    allocated, while the other devices may still be running that kernel ("Barrier remains
-    allocated ... device_id=1"). Here each device first waits for all the others (on the
-    interpreter's own device barrier), then runs the same check. Nothing else changes."""
+    """Works around two races in jax 0.11.2's GPU interpret mode under a multi-device
+    shard_map, both from process-wide state that assumes one device runs at a time:
+    - at the end of a kernel each device checks that no barrier of ANY device is still
+      allocated, while the other devices may still be running that kernel ("Barrier remains
+      allocated ... device_id=1"): here each device first waits for all the others;
+    - when a device finishes a cluster it resets the per-cluster state (the ids of wgmma
+      accumulators among others) while another device may be inside its own cluster, which
+      then frees an accumulator the reset forgot (a KeyError on HostAllocationKey
+      memory_space_id=3, buffer_id=-100): here every device finishes its i-th cluster before
+      any resets, and every reset is done before any device starts its next cluster.
+    Both waits use the interpreter's own device barrier; every device runs the same kernels
+    on the same grid, so each reaches them the same number of times. Nothing else changes."""
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
 
-    original = gpu_callbacks._assert_no_barriers_allocated
+    originals = (gpu_callbacks._assert_no_barriers_allocated, gpu_callbacks.cluster_finished)
 
     @gpu_callbacks.fail_on_exception
     def assert_after_every_device(token):
@@ -65,11 +72,20 @@ def gpu_interpret_on_several_devices():
         shared_memory.assert_no_barriers_allocated()
         return token
 
+    @gpu_callbacks.fail_on_exception
+    def cluster_finished_in_step(*, token):
+        shared_memory = gpu_callbacks._get_shared_memory()
+        shared_memory.barrier.wait()
+        shared_memory.reset_per_cluster_state()
+        shared_memory.barrier.wait()
+        return token
+
     gpu_callbacks._assert_no_barriers_allocated = assert_after_every_device
+    gpu_callbacks.cluster_finished = cluster_finished_in_step
     try:
         yield
     finally:
-        gpu_callbacks._assert_no_barriers_allocated = original
+        gpu_callbacks._assert_no_barriers_allocated, gpu_callbacks.cluster_finished = originals
 
 
 def lowered_with_kernels(x, params, cotangent, cfg, mesh) -> str:
