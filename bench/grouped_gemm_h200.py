@@ -1578,6 +1578,8 @@ def run_problem(shape: Shape, args, clock: Clock, torch_mod, save: Callable[[dic
         if planner:
             planner.where = (shape.name, product)
         for cand in bench.candidates(product):
+            if cand.family not in ("torch", "ours"):
+                torch_run = None  # ours are done (FAMILIES order): XLA may need the memory
             if full is None and cand.family != "torch" and clock.would_allow(cand):
                 # torch did not run (or failed its check): XLA in f32 checks all elements.
                 full = full_reference(p, product)
