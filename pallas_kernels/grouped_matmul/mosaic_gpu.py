@@ -67,12 +67,11 @@ from jax import Array, lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.grouped_matmul import tuning
+from pallas_kernels.grouped_matmul import ring, tuning
 from pallas_kernels.grouped_matmul.tuning import TileConfig
 
 INPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _SWIZZLE_BYTES = 128
-_PRODUCER_REGISTERS = 40
 _ROW_ALIGN = 8  # a TMA load into 8-row-tiled shared memory starts at a multiple of 8 rows
 
 
@@ -149,13 +148,6 @@ def _store_rows(src_smem, dst_gmem, lo, hi, *, granule: int = 1):
         power //= 2
 
 
-def _consumer_registers(num_consumers: int) -> int:
-    """Registers per thread of a consumer warpgroup: the 64K-register file less the producer's,
-    split between the consumers, at most 256, a multiple of 8 (setmaxnreg's rules)."""
-    per_thread = min(256, (512 - _PRODUCER_REGISTERS) // num_consumers)
-    return per_thread // 8 * 8
-
-
 def _kernel(
     schedule_ref,
     lhs_ref,
@@ -209,32 +201,23 @@ def _kernel(
         return mi, nj * cluster + lax.axis_index("cluster")
 
     def fetch(lin):
-        """The schedule of output tile `lin` (clamped to the last tile): group, first row, and
-        [lo, hi) the rows of the tile it stores. Scalar GMEM loads: the tile loop fetches the
-        next tile's while the current one runs, so their latency is off the critical path."""
-        mi, _ = tile_coords(jnp.minimum(lin, num_tiles - 1))
+        """The schedule of output tile `lin`: group, first row, and [lo, hi) the rows of the
+        tile it stores (scalar GMEM loads, made one tile ahead by the tile loop)."""
+        mi, _ = tile_coords(lin)
         return tuple(schedule_ref[mi, j] for j in range(4))
 
     def tile_loop(body):
         """Runs body(ni, group, row0, lo, hi, step0) -> step count after the tile, for this
-        program's output tiles in grid order (the next tile of a program is `lin + programs`,
-        nd_loop's interleaved order); returns the program's step count (invariant 6)."""
-        programs = lax.axis_size("sm")
+        program's output tiles in grid order, each tile's schedule loaded while the previous
+        tile runs; returns the program's step count (invariant 6)."""
 
-        def step(loop_info: plgpu.NDLoopInfo, carry):
-            step0, *current = carry
-            (lin,) = loop_info.index
-            upcoming = fetch(lin + programs)
+        @ring.prefetching_loop(num_tiles, fetch, axis="sm")
+        def steps(lin, step0, values):
             _, ni = tile_coords(lin)
-            group, row0, lo, hi = current
-            step0 = body(ni, group, pl.multiple_of(row0, _ROW_ALIGN), lo, hi, step0)
-            return (step0, *upcoming)
+            group, row0, lo, hi = values
+            return body(ni, group, pl.multiple_of(row0, _ROW_ALIGN), lo, hi, step0)
 
-        first = fetch(lax.axis_index("sm"))
-        final = plgpu.nd_loop(
-            (num_tiles,), collective_axes="sm", init_carry=(jnp.int32(0), *first)
-        )(step)
-        return final[0]
+        return steps
 
     @functools.partial(
         pl.run_scoped,
@@ -274,7 +257,7 @@ def _kernel(
         #    `stages` steps, across tile boundaries.
         @pl.when(wg == num_consumers)
         def _producer():
-            plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+            plgpu.set_max_registers(ring.PRODUCER_REGISTERS, action="decrease")
 
             @tile_loop
             def num_steps(ni, group, row0, lo, hi, step0):
@@ -284,12 +267,7 @@ def _kernel(
                 def _load_tile():
                     @pl.loop(0, k_steps)
                     def _load_step(k):
-                        step = step0 + k
-                        slot = lax.rem(step, stages)
-
-                        @pl.when(step >= stages)
-                        def _wait_for_the_stage():
-                            plgpu.barrier_wait(consumed.at[slot])
+                        slot = ring.acquire_stage(consumed, step=step0 + k, stages=stages)
 
                         ks = pl.ds(k * block_k, block_k)
                         plgpu.copy_gmem_to_smem(
@@ -309,17 +287,13 @@ def _kernel(
 
                 return step0 + jnp.where(runs, k_steps, 0)
 
-            # Observe the releases of the last stages too, so that no barrier is left with a
-            # phase its waiter never saw (the GPU interpreter checks this).
-            @pl.loop(jnp.maximum(num_steps - stages, 0), num_steps)
-            def _drain(step):
-                plgpu.barrier_wait(consumed.at[lax.rem(step, stages)])
+            ring.observe_last_releases(consumed, num_steps, stages)
 
         # 2. The consumers: wgmma over the K steps into f32 accumulators (invariant 3), each
         #    warpgroup its own rows (consumer_dim "m") or columns ("n"), then the epilogue.
         @pl.when(wg < num_consumers)
         def _consumers():
-            plgpu.set_max_registers(_consumer_registers(num_consumers), action="increase")
+            plgpu.set_max_registers(ring.consumer_registers(num_consumers), action="increase")
             # This consumer's part of the tile: rows [row_off, row_off + consumer_m) and
             # columns [col_off, col_off + consumer_n).
             row_off = pl.multiple_of(wg * consumer_m, 64) if split_m else 0
@@ -395,18 +369,16 @@ def _kernel(
                             elif not split_m:
                                 rhs_tile = rhs_tile.at[:, pl.ds(col_off, consumer_n)]
                             plgpu.wgmma(acc, lhs_tile, rhs_tile)
-                        # Invariant 5: a stage is released once the wgmmas reading it are done.
-                        # Each wgmma is its own group: keeping `delay` steps in flight is
-                        # delay * num_rhs groups (gmm_swiglu's gate and up of this step).
-                        plgpu.wgmma_wait(delay * num_rhs)
-                        if delay:
-
-                            @pl.when(k > 0)
-                            def _release_the_previous_stage():
-                                plgpu.barrier_arrive(consumed.at[lax.rem(step - 1, stages)])
-
-                        else:
-                            plgpu.barrier_arrive(consumed.at[slot])
+                        # Invariant 5: a stage is released once the wgmmas reading it are done
+                        # (each wgmma is its own group: num_rhs groups a step).
+                        ring.release_after_wgmma(
+                            consumed,
+                            step=step,
+                            first_of_item=k == 0,
+                            delay=delay,
+                            groups_per_step=num_rhs,
+                            stages=stages,
+                        )
                         return accs
 
                     def acc_scope(*accs):
@@ -418,10 +390,8 @@ def _kernel(
                                 optimized=False,
                             )
                         accs = lax.fori_loop(0, k_steps, k_step, accs)
-                        if delay:
-                            plgpu.wgmma_wait(0)
-                            last = lax.rem(step0 + k_steps - 1, stages)
-                            plgpu.barrier_arrive(consumed.at[last])
+                        last_step = step0 + k_steps - 1
+                        ring.release_last(consumed, last_step=last_step, delay=delay, stages=stages)
                         values = [acc[...] for acc in accs]
                         if swiglu:
                             gate, up = values

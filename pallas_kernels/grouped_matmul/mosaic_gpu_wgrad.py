@@ -29,13 +29,11 @@ from jax import Array, lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.grouped_matmul import tuning
+from pallas_kernels.grouped_matmul import ring, tuning
 from pallas_kernels.grouped_matmul.tuning import TileConfig
 
 _INPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _OUTPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-# Registers the memory warpgroup keeps (it only issues TMA copies).
-_MEMORY_REGISTERS = 40
 # Mosaic GPU's TMA copies into 8-row-tiled SMEM address GMEM in whole 8-row tiles, so a row
 # block may start only on a multiple of 8 (and M must be one: other M are padded). A group's
 # row blocks start at its first row rounded down to a multiple of 8; the kernel zeroes the rows
@@ -125,12 +123,6 @@ def _swizzled(minor_elems: int, dtype: Any) -> tuple[Any, ...]:
     return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def _compute_registers(num_consumers: int) -> int:
-    """Registers per thread of a compute warpgroup: the 64K-register file less the memory
-    warpgroup's, split between the compute warpgroups, at most 256, a multiple of 8."""
-    return min(256, (512 - _MEMORY_REGISTERS) // num_consumers) // 8 * 8
-
-
 def _tgmm_kernel(
     blocks_g_ref,
     lhs_mk_ref,
@@ -202,25 +194,18 @@ def _tgmm_kernel(
         after `steps` ring steps (row blocks) and returns the count after it; `values` are the
         `columns` of the unit's group in `blocks_g_ref`.
 
-        nd_loop gives CTA c the units c, c + S, c + 2S, ... (S = the CTA count): at the top of
-        each unit the values of the CTA's next unit are loaded and carried to it. A GPU load
-        stalls only at the first use of its value, one unit later; only the first unit's load
-        is waited for. Past the CTA's last unit the load reads the last group (unused)."""
+        The values of the CTA's next unit are loaded while the current one runs
+        (`ring.prefetching_loop`)."""
 
         def load(unit):
-            g = jnp.minimum(unit, num_units - 1) // units_per_group
+            g = unit // units_per_group
             return tuple(blocks_g_ref[g, column] for column in columns)
 
         def decorator(body):
-            def step(loop_info: plgpu.NDLoopInfo, carry):
-                steps, values = carry
-                unit = loop_info.index[0]
-                next_values = load(unit + lax.axis_size(_SM_AXIS))
-                return body(unit, steps, *values), next_values
+            @ring.prefetching_loop(num_units, load, axis=_SM_AXIS)
+            def steps(unit, step0, values):
+                return body(unit, step0, *values)
 
-            first = (jnp.int32(0), load(lax.axis_index(_SM_AXIS)))
-            loop = plgpu.nd_loop((num_units,), collective_axes=_SM_AXIS, init_carry=first)
-            steps, _ = loop(step)
             return steps
 
         return decorator
@@ -251,7 +236,7 @@ def _tgmm_kernel(
         #    (TMA out-of-bounds fill).
         @pl.when(wg == num_consumers)
         def _memory():
-            plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
+            plgpu.set_max_registers(ring.PRODUCER_REGISTERS, action="decrease")
 
             @unit_loop(_BASE, _NUM_BLOCKS)
             def num_steps(unit, step0, base, num_blocks):
@@ -261,12 +246,7 @@ def _tgmm_kernel(
 
                 @pl.loop(0, num_blocks)
                 def _load_block(i):
-                    step = step0 + i
-                    slot = lax.rem(step, stages)
-
-                    @pl.when(step >= stages)
-                    def _wait_for_the_stage():
-                        plgpu.barrier_wait(consumed.at[slot])
+                    slot = ring.acquire_stage(consumed, step=step0 + i, stages=stages)
 
                     rows = pl.ds(pl.multiple_of(base + i * block_m, _ROW_ALIGN), block_m)
                     plgpu.copy_gmem_to_smem(
@@ -278,17 +258,13 @@ def _tgmm_kernel(
 
                 return step0 + num_blocks
 
-            # Observe the releases of the last stages too, so that no barrier is left with a
-            # phase its waiter never saw.
-            @pl.loop(jnp.maximum(num_steps - stages, 0), num_steps)
-            def _drain(step):
-                plgpu.barrier_wait(consumed.at[lax.rem(step, stages)])
+            ring.observe_last_releases(consumed, num_steps, stages)
 
         # 2. The compute warpgroups: wgmma over the unit's row blocks into an f32 accumulator,
         #    each warpgroup its own columns, then the epilogue.
         @pl.when(wg < num_consumers)
         def _compute():
-            plgpu.set_max_registers(_compute_registers(num_consumers), action="increase")
+            plgpu.set_max_registers(ring.consumer_registers(num_consumers), action="increase")
             wg_n_slice = pl.ds(pl.multiple_of(wg * wg_tile_n, wg_tile_n), wg_tile_n)
 
             @unit_loop(_LEAD, _NUM_BLOCKS, _TAIL_END)
@@ -323,28 +299,25 @@ def _tgmm_kernel(
                     # lhs block [block_m, tile_k] transposed is the A operand [tile_k, block_m].
                     plgpu.wgmma(acc_ref, lhs_smem.at[slot].transpose((1, 0)), rhs_wg)
                     # Invariant 5: a stage is released once the wgmmas reading it are done.
-                    plgpu.wgmma_wait(delay)
-                    if delay:
-
-                        @pl.when(i > 0)
-                        def _release_the_previous_stage():
-                            plgpu.barrier_arrive(consumed.at[lax.rem(step - 1, stages)])
-
-                    else:
-                        plgpu.barrier_arrive(consumed.at[slot])
+                    ring.release_after_wgmma(
+                        consumed,
+                        step=step,
+                        first_of_item=i == 0,
+                        delay=delay,
+                        groups_per_step=1,
+                        stages=stages,
+                    )
                     return acc_ref
 
                 # 4. Epilogue: registers -> SMEM -> TMA store, in sub-tiles, two SMEM slots per
                 #    warpgroup. Columns or rows past K or N are dropped by the TMA store.
                 def acc_scope(acc_ref):
                     acc_ref = lax.fori_loop(0, num_blocks, mma_step, acc_ref)
-                    if delay:
 
-                        @pl.when(num_blocks > 0)
-                        def _release_the_last_stage():
-                            plgpu.wgmma_wait(0)
-                            last = lax.rem(step0 + num_blocks - 1, stages)
-                            plgpu.barrier_arrive(consumed.at[last])
+                    @pl.when(num_blocks > 0)
+                    def _release_the_last_stage():
+                        last_step = step0 + num_blocks - 1
+                        ring.release_last(consumed, last_step=last_step, delay=delay, stages=stages)
 
                     acc = acc_ref[...].astype(out_dtype)
                     # The previous unit's stores must have read out_smem before it is reused.

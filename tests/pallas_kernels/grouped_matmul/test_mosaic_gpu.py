@@ -123,6 +123,17 @@ def test_gmm_swiglu_matches_reference(case, dtype):
 
 
 # Whole 64-row groups with many empty ones: every program runs several matmul tiles back to back.
+def _gmm_or_swiglu(product, lhs, w_gate, w_up, group_sizes, config, interpret):
+    """(kernel output, reference) of gmm(lhs, w_gate) or gmm_swiglu(lhs, w_gate, w_up)."""
+    if product == "swiglu":
+        out = mosaic_gpu.gmm_swiglu(
+            lhs, w_gate, w_up, group_sizes, config=config, interpret=interpret
+        )
+        return out, reference.gmm_swiglu(lhs, w_gate, w_up, group_sizes)
+    out = mosaic_gpu.gmm(lhs, w_gate, group_sizes, config=config, interpret=interpret)
+    return out, reference.gmm(lhs, w_gate, group_sizes)
+
+
 _BACK_TO_BACK_SIZES = (64, 0, 128, 0, 0, 64, 0, 128, 0, 64, 0, 0)
 
 
@@ -146,12 +157,7 @@ def test_default_configs_survive_single_k_step_tiles(product, source):
         config = dataclasses.replace(gpu, grid_size=3)
     else:
         config = None  # the interpret table's config, also delay_release=1
-    if product == "swiglu":
-        out = mosaic_gpu.gmm_swiglu(lhs, w_gate, w_up, group_sizes, config=config, interpret=True)
-        expected = reference.gmm_swiglu(lhs, w_gate, w_up, group_sizes)
-    else:
-        out = mosaic_gpu.gmm(lhs, w_gate, group_sizes, config=config, interpret=True)
-        expected = reference.gmm(lhs, w_gate, group_sizes)
+    out, expected = _gmm_or_swiglu(product, lhs, w_gate, w_up, group_sizes, config, True)
     _assert_close(out, expected, jnp.bfloat16)
     past = _rows_past_groups(_BACK_TO_BACK_SIZES, m)
     chex.assert_trees_all_equal(out[past], jnp.zeros_like(out)[past])
@@ -264,12 +270,7 @@ def test_no_races_between_warpgroups(product, delay_release, consumer_dim):
         consumer_dim=consumer_dim,
     )
     params = plgpu.InterpretGPUParams(detect_races=True)
-    if product == "swiglu":
-        out = mosaic_gpu.gmm_swiglu(lhs, w_gate, w_up, group_sizes, config=config, interpret=params)
-        expected = reference.gmm_swiglu(lhs, w_gate, w_up, group_sizes)
-    else:
-        out = mosaic_gpu.gmm(lhs, w_gate, group_sizes, config=config, interpret=params)
-        expected = reference.gmm(lhs, w_gate, group_sizes)
+    out, expected = _gmm_or_swiglu(product, lhs, w_gate, w_up, group_sizes, config, params)
     jax.block_until_ready(out)
     assert not gpu_callbacks.get_races().races_found
     _assert_close(out, expected, jnp.bfloat16)
