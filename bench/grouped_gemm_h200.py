@@ -1384,6 +1384,22 @@ class Watchdog:
         self.stop(f"stopped by the watchdog at {self.clock.elapsed():.0f} s while running: {what}")
 
 
+def _run_in_step(cand, p, product, *, full, subsets, args, clock, torch_run, keep=None):
+    """`run_candidate` for one candidate of a (shape, product) step: ours are timed paired
+    with torch's runner when there is one and --paired is on."""
+    return run_candidate(
+        cand,
+        product=product,
+        full=full,
+        subsets=subsets,
+        sizes=p.sizes,
+        args=args,
+        clock=clock,
+        paired_with=torch_run if cand.family == "ours" and args.paired else None,
+        keep=keep,
+    )
+
+
 def run_candidate(
     cand: Candidate,
     *,
@@ -1585,15 +1601,15 @@ def run_problem(shape: Shape, args, clock: Clock, torch_mod, save: Callable[[dic
                 full = full_reference(p, product)
                 entry["full_reference"] = "xla ragged_dot / reference.tgmm in f32 (no torch)"
             keep: dict[str, Any] = {}
-            rec, outs = run_candidate(
+            rec, outs = _run_in_step(
                 cand,
-                product=product,
+                p,
+                product,
                 full=full,
                 subsets=subsets,
-                sizes=p.sizes,
                 args=args,
                 clock=clock,
-                paired_with=torch_run if cand.family == "ours" and args.paired else None,
+                torch_run=torch_run,
                 keep=keep if cand.family == "torch" else None,
             )
             rec.setdefault("t_end_s", round(clock.elapsed(), 1))
@@ -1681,15 +1697,15 @@ def rerun_deferred(
                 continue
             if full is None and planner.would_allow(cand):
                 full = full_reference(p, product)
-            rec, outs = run_candidate(
+            rec, outs = _run_in_step(
                 cand,
-                product=product,
+                p,
+                product,
                 full=full,
                 subsets=subsets,
-                sizes=p.sizes,
                 args=args,
                 clock=planner,
-                paired_with=torch_run if cand.family == "ours" and args.paired else None,
+                torch_run=torch_run,
             )
             del outs
             rec["second_pass"] = True
