@@ -72,7 +72,10 @@ import numpy as np
 
 from pallas_kernels.grouped_matmul import reference
 
-PROCESS_START = time.time()  # the budget's start when --started-at is not given
+# The budget's start of a script run without --started-at (imports included). A call of
+# main() from other code (the tests) starts its budget at the call instead: this module may
+# have been imported long before, and the watchdog would end that process at once.
+PROCESS_START = time.time()
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEVICE_COMMAND = "bash bench/grouped_gemm_h200.sh"
 ZIPF_EXPONENT = 1.2
@@ -2321,8 +2324,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         )
     if args.budget_s <= 0:
         ap.error(f"--budget-s must be > 0, got {args.budget_s}")
-    if args.started_at is None:
-        args.started_at = PROCESS_START
     if args.hard_limit_s is None:
         args.hard_limit_s = args.budget_s + 45.0
     if args.hard_limit_s < args.budget_s:
@@ -2370,8 +2371,11 @@ def run_ceilings(planner: Planner, results: dict, torch_mod) -> None:
     print("ceilings:", results["ceilings"], flush=True)
 
 
-def main(argv: Sequence[str] | None = None) -> dict:
+def main(argv: Sequence[str] | None = None, *, started_at: float | None = None) -> dict:
+    """Runs the benchmark; the budget counts from --started-at, else `started_at`, else now."""
     args = parse_args(argv)
+    if args.started_at is None:
+        args.started_at = time.time() if started_at is None else started_at
     torch_mod = _import_torch(args)
     on_gpu = jax.default_backend() == "gpu"
     steps = plan_steps(args, torch_mod, ceilings=(on_gpu or args.plan) and not args.no_ceilings)
@@ -2472,4 +2476,4 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    main(started_at=PROCESS_START)

@@ -502,3 +502,14 @@ def test_the_second_pass_records_what_still_does_not_fit(tmp_path):
     assert rec["status"].startswith("skipped: time budget (second pass: ")
     assert rec["status"].endswith("first pass: deferred: time budget (test)")
     assert step.state == "skipped"
+
+
+def test_a_call_of_main_counts_its_budget_from_the_call(tmp_path, monkeypatch):
+    """The module may be imported long before main() runs (pytest collects, then runs a long
+    suite): the budget and the watchdog count from the call, not from the import. When they
+    counted from the import, the watchdog ended the pytest worker mid-suite."""
+    monkeypatch.setattr(bench, "PROCESS_START", time.time() - 10_000.0)
+    out = ["--out", str(tmp_path), "--families", "xla", "--products", "forward"]
+    results = bench.main(["--smoke", "--no-ceilings", "--xla-products", "forward", *out])
+    assert "stopped" not in results
+    assert results["elapsed_s"] < 540.0

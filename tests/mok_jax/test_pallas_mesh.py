@@ -3,10 +3,11 @@
 On CPU the kernels run in GPU interpret mode (small shapes, few cases: it is slow) on 1 and 2
 devices, with the ragged exchange only (the ring's extra kernels on 2 interpreted devices hit
 jax 0.11.2's cross-device interpreter races more often; `gpu_interpret_on_several_devices`
-works around the two we met), and the forward+backward is lowered for CUDA on larger meshes. y and dx are the
-same bits as 'pallas' on one device: a row's result does not depend on the tile count (every
-kernel tile is one dot of a fixed shape, and a row's K-loop does not depend on its tile's
-neighbours); the rest is held to 'xla' under the same mesh to the bf16 tolerance.
+works around the two we met), and the forward+backward is lowered for CUDA on larger meshes.
+y and dx are the same bits as 'pallas' on one device: a row's result does not depend on the
+tile count (every kernel tile is one dot of a fixed shape, and a row's K-loop does not depend
+on its tile's neighbours); the rest is held to 'xla' under the same mesh to the bf16
+tolerance.
 """
 
 from __future__ import annotations
