@@ -125,6 +125,35 @@ def candidates(product: str, shape: gg.Shape, *, smoke: bool = False) -> list[Tr
                 cluster_n=2,
             )
         add(
+            "cluster_m2",
+            "clusters of 2 CTAs on the two 128-row halves of a 256-row tile of one group, "
+            "each rhs tile (64 x 256, twice the lhs tile) loaded once and multicast into both: "
+            "2/256 B of L2 per FLOP instead of 3/256; what torch._grouped_mm's CUTLASS kernel "
+            "runs (cooperative 128x256x64, cluster 2x1 along M); costs a group's rows rounded "
+            "up to 256 instead of 128",
+            cluster_m=2,
+        )
+        add(
+            "cluster_m2_split_m",
+            "cluster_m2 with the consumers splitting the tile's rows (split_m)",
+            cluster_m=2,
+            consumer_dim="m",
+        )
+        add(
+            "cluster_m2_order_m8",
+            "cluster_m2 in bands of 8 pairs (16 row tiles, the L2 band of the default)",
+            cluster_m=2,
+            grid_minor_dim="m",
+            grid_tile_width=8,
+        )
+        if (n_out // base.block_n) % 2 == 0:
+            add(
+                "cluster2_split_m",
+                "cluster2 (lhs multicast) with the consumers splitting the tile's rows",
+                cluster_n=2,
+                consumer_dim="m",
+            )
+        add(
             "split_m",
             "consumers split the tile's rows, not its columns: each runs m64 x n256 wgmma "
             "(m64 x n128 for swiglu's two products) reading its 64 lhs rows once a step, where "
@@ -134,48 +163,18 @@ def candidates(product: str, shape: gg.Shape, *, smoke: bool = False) -> list[Tr
             consumer_dim="m",
         )
         add(
-            "order_n1",
-            "tiles along N first, width 1 (the default before the m/16 bands; measured 599 and "
-            "542 TFLOP/s forward at the qwen3 shapes, where m/16 was never measured)",
-            grid_minor_dim="n",
-            grid_tile_width=1,
-        )
-        add(
             "dr0",
             "delay_release=0: each stage released as soon as its wgmma finished (609 vs 599 "
             "with order n1 at qwen3 gate_up forward)",
             delay_release=0,
         )
-        add(
-            "order_m8",
-            "bands of 8 row tiles: half the L2 working set of m/16 (a G=128 group is ~9 row "
-            "tiles, so a band is about one group)",
-            grid_minor_dim="m",
-            grid_tile_width=8,
-        )
-        add(
-            "bk128_s2",
-            "block_k=128 with 2 stages, delay_release=0 (same bytes in flight as 4 x 64): "
-            "half the barrier round trips and pipeline steps per tile",
-            block_k=128,
-            max_concurrent_steps=2,
-            delay_release=0,
-        )
-        if product == "forward":
+        if product == "forward" and shape.g >= 64:
             add(
-                "order_m32",
-                "bands of 32 row tiles: more lhs rows reused across the N tiles (mixtral and "
-                "dsv3 have 16-112 N tiles)",
-                grid_minor_dim="m",
-                grid_tile_width=32,
+                "bm64",
+                "block_m=64: half the wasted rows in each group's partial last tile (~1024-"
+                "row groups), at the cost of more L2 traffic per FLOP",
+                block_m=64,
             )
-            if shape.g >= 64:
-                add(
-                    "bm64",
-                    "block_m=64: half the wasted rows in each group's partial last tile (~1024-"
-                    "row groups), at the cost of more L2 traffic per FLOP",
-                    block_m=64,
-                )
     elif product == "wgrad":
         # Tile orders first (the default's bands of 16 K tiles are not yet measured; tuning.py
         # has the HBM-bytes model behind them). K tiles are tgmm's output rows ("m").

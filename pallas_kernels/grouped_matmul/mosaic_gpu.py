@@ -49,10 +49,14 @@ Invariants (numbered; the tests check each):
      K steps (a carry of the tile loop), so step n always uses stage n % max_concurrent_steps
      and every barrier's phases are waited in order, each exactly once by each waiter. Tiles
      that run no K loop (rows of no group, unused schedule entries) load nothing.
-  7. With cluster_n = 2 the two CTAs of a cluster walk the same row tiles in the same order
-     (column tiles 2j and 2j + 1), so they run the same K steps into the same stages: each
-     stage's lhs tile is multicast into both, and a stage is refilled only after the
-     consumers of both CTAs released it (a cluster barrier).
+  7. With two CTAs a cluster, both walk the same work in the same order and run the same K
+     steps into the same stages: with cluster_n = 2 they compute column tiles 2j and 2j + 1
+     of the same row tile and each stage's lhs tile is multicast into both; with cluster_m = 2
+     they compute the two block_m-row halves of the same [2 * block_m, block_n] tile of one
+     group (the schedule tiles groups in 2 * block_m rows) and each stage's rhs tile is
+     multicast into both. Whether a tile runs its K loop is decided for the pair (a half with
+     no rows of the group still loads and computes, and stores nothing), and a stage is
+     refilled only after the consumers of both CTAs released it (a cluster barrier).
 """
 
 from __future__ import annotations
@@ -182,11 +186,16 @@ def _kernel(
         plgpu.SwizzleTransform(out_swizzle),
     )
 
-    # With clusters of two CTAs, the grid walks pairs of neighbouring column tiles; CTA c of a
-    # cluster computes column tile 2 * pair + c of the same row tile (invariant 7).
-    cluster = config.cluster_n
-    pairs_n = num_tiles_n // cluster
+    # With clusters of two CTAs (invariant 7), the grid walks pairs of tiles. cluster_n: CTA c
+    # computes column tile 2 * pair + c of a row tile, the lhs tile multicast. cluster_m: the
+    # schedule's row tiles are 2 * block_m rows of one group and CTA c computes their half c,
+    # the rhs tile multicast.
+    cluster = config.cluster_size
+    pairs_n = num_tiles_n // config.cluster_n
     num_tiles = num_tiles_m * pairs_n
+    multicast_lhs = config.cluster_n == 2
+    multicast_rhs = config.cluster_m == 2
+    num_lhs_rows = lhs_ref.shape[0]
 
     def tile_coords(lin):
         """(row tile, column tile) of output tile `lin` of the grid order (of this CTA)."""
@@ -196,9 +205,24 @@ def _kernel(
             0 if config.grid_minor_dim == "m" else 1,
             config.grid_tile_width,
         )
-        if cluster == 1:
-            return mi, nj
-        return mi, nj * cluster + lax.axis_index("cluster")
+        if multicast_lhs:
+            return mi, nj * cluster + lax.axis_index("cluster")
+        return mi, nj
+
+    def this_half(row0, lo, hi):
+        """With cluster_m = 2: the schedule's [2 * block_m]-row tile's half of this CTA, as
+        (first row, rows [lo, hi) of it to store). A half wholly past lhs's rows (the pair's
+        second half at the end of M) loads lhs's last block_m rows instead, and stores none."""
+        if not multicast_rhs:
+            return row0, lo, hi
+        offset = lax.axis_index("cluster") * block_m
+        half_row0 = row0 + offset
+        half_row0 = jnp.where(half_row0 >= num_lhs_rows, num_lhs_rows - block_m, half_row0)
+        return (
+            half_row0,
+            jnp.clip(lo - offset, 0, block_m),
+            jnp.clip(hi - offset, 0, block_m),
+        )
 
     def fetch(lin):
         """The schedule of output tile `lin`: group, first row, and [lo, hi) the rows of the
@@ -207,15 +231,19 @@ def _kernel(
         return tuple(schedule_ref[mi, j] for j in range(4))
 
     def tile_loop(body):
-        """Runs body(ni, group, row0, lo, hi, step0) -> step count after the tile, for this
-        program's output tiles in grid order, each tile's schedule loaded while the previous
-        tile runs; returns the program's step count (invariant 6)."""
+        """Runs body(ni, group, row0, lo, hi, runs, step0) -> step count after the tile, for
+        this program's output tiles in grid order, each tile's schedule loaded while the
+        previous tile runs; returns the program's step count (invariant 6). `runs`: the tile
+        runs its K loop (in both CTAs of a cluster alike, invariant 7); [lo, hi): the rows of
+        this CTA's tile it stores."""
 
         @ring.prefetching_loop(num_tiles, fetch, axis="sm")
         def steps(lin, step0, values):
             _, ni = tile_coords(lin)
             group, row0, lo, hi = values
-            return body(ni, group, pl.multiple_of(row0, _ROW_ALIGN), lo, hi, step0)
+            runs = (hi > lo) & (group < num_groups)
+            row0, lo, hi = this_half(row0, lo, hi)
+            return body(ni, group, pl.multiple_of(row0, _ROW_ALIGN), lo, hi, runs, step0)
 
         return steps
 
@@ -260,8 +288,8 @@ def _kernel(
             plgpu.set_max_registers(ring.PRODUCER_REGISTERS, action="decrease")
 
             @tile_loop
-            def num_steps(ni, group, row0, lo, hi, step0):
-                runs = (hi > lo) & (group < num_groups)
+            def num_steps(ni, group, row0, lo, hi, runs, step0):
+                del lo, hi
 
                 @pl.when(runs)
                 def _load_tile():
@@ -274,7 +302,7 @@ def _kernel(
                             lhs_ref.at[pl.ds(row0, block_m), ks],
                             lhs_smem.at[slot],
                             loaded.at[slot],
-                            collective_axes=None if cluster == 1 else "cluster",
+                            collective_axes="cluster" if multicast_lhs else None,
                         )
                         ns = pl.ds(ni * block_n, block_n)
                         for rhs_ref, rhs_smem in zip(rhs_refs, rhs_smems, strict=True):
@@ -283,7 +311,12 @@ def _kernel(
                                 if transpose_rhs
                                 else rhs_ref.at[group, ks, ns]
                             )
-                            plgpu.copy_gmem_to_smem(src, rhs_smem.at[slot], loaded.at[slot])
+                            plgpu.copy_gmem_to_smem(
+                                src,
+                                rhs_smem.at[slot],
+                                loaded.at[slot],
+                                collective_axes="cluster" if multicast_rhs else None,
+                            )
 
                 return step0 + jnp.where(runs, k_steps, 0)
 
@@ -346,9 +379,8 @@ def _kernel(
                         sub += 1
 
             @tile_loop
-            def _tiles(ni, group, row0, lo, hi, step0):
+            def _tiles(ni, group, row0, lo, hi, runs, step0):
                 stores = hi > lo
-                runs = stores & (group < num_groups)
 
                 # (a) A tile of a group: the K loop, then the epilogue (invariants 1, 3, 4, 5).
                 @pl.when(runs)
@@ -570,19 +602,21 @@ def _grouped_call(
     out_rows = pl.cdiv(max(num_rows, block_m), _ROW_ALIGN) * _ROW_ALIGN
     if out_rows != num_rows:
         lhs_mk = jnp.pad(lhs_mk, ((0, out_rows - num_rows), (0, 0)))
-    group_t, row0_t = tile_schedule(group_sizes_g, num_rows=num_rows, block_m=block_m)
+    # With cluster_m = 2 a scheduled row tile is a pair of CTAs' tiles (invariant 7).
+    tile_m = block_m * config.cluster_m
+    group_t, row0_t = tile_schedule(group_sizes_g, num_rows=num_rows, block_m=tile_m)
     starts_x, ends_x = group_bounds(group_sizes_g, num_rows=num_rows)
     # Per row tile: its group, first row and the rows [lo, hi) of it that it stores, one
     # [T, 4] table, so that a tile needs four independent scalar loads (no dependent ones).
-    lo_t = jnp.clip(starts_x[group_t] - row0_t, 0, block_m)
-    hi_t = jnp.clip(ends_x[group_t] - row0_t, 0, block_m)
+    lo_t = jnp.clip(starts_x[group_t] - row0_t, 0, tile_m)
+    hi_t = jnp.clip(ends_x[group_t] - row0_t, 0, tile_m)
     schedule_t4 = jnp.stack([group_t, row0_t, lo_t, hi_t], axis=1).astype(jnp.int32)
     operands = [schedule_t4, lhs_mk, *rhs]
     if row_scale_m is not None:
         # Scales are read for whole tiles: pad so the last tile's read stays in bounds.
         operands.append(jnp.pad(row_scale_m, (0, out_rows - num_rows + block_m)))
     grid_size = config.grid_size or tuning.persistent_grid_size()
-    cluster = config.cluster_n
+    cluster = config.cluster_size
     body = functools.partial(
         _kernel,
         config=config,

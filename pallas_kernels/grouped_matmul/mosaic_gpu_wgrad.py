@@ -51,10 +51,11 @@ def check_config(config: TileConfig) -> None:
     For tgmm, block_m tiles K (the output's rows), block_n tiles N and block_k is the number of
     a group's rows per step (one SMEM stage).
     """
-    if config.cluster_n != 1:
-        raise ValueError(
-            f"tgmm runs one CTA per cluster: cluster_n must be 1, got {config.cluster_n}"
-        )
+    for name in ("cluster_m", "cluster_n"):
+        if getattr(config, name) != 1:
+            raise ValueError(
+                f"tgmm runs one CTA per cluster: {name} must be 1, got {getattr(config, name)}"
+            )
     if config.consumer_dim != "n":
         raise ValueError(
             f"tgmm splits an output tile's columns between its consumers: consumer_dim must be "

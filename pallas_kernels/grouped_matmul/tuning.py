@@ -73,6 +73,12 @@ class TileConfig:
         neighbouring column tiles of the same row tile, and each lhs tile is loaded once from
         L2 and multicast into both (half the lhs traffic); the grid is then grid_size // 2
         clusters, and N must hold an even number of column tiles (gmm and gmm_swiglu only).
+      cluster_m: CTAs per cluster along rows (1 or 2; not with cluster_n=2). With 2, the two
+        CTAs of a cluster compute the two halves of a [2 * block_m, block_n] tile of one
+        group, and each rhs tile (the group's weights) is loaded once from L2 and multicast
+        into both (half the rhs traffic, the larger operand for block_n > block_m); a group's
+        rows are then tiled in 2 * block_m rows, so a pair's second half may hold no rows of
+        the group and compute rows it never stores (gmm and gmm_swiglu only).
     """
 
     block_m: int = 128
@@ -88,6 +94,7 @@ class TileConfig:
     num_consumers: int = 2
     consumer_dim: GridMinorDim = "n"
     cluster_n: int = 1
+    cluster_m: int = 1
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k", "max_concurrent_steps", "grid_tile_width"):
@@ -101,8 +108,15 @@ class TileConfig:
             raise ValueError(f"{block_k=} must be a multiple of 64 (one 128-byte swizzle row)")
         if self.num_consumers not in (1, 2):
             raise ValueError(f"num_consumers={self.num_consumers!r} must be 1 or 2")
-        if self.cluster_n not in (1, 2) or isinstance(self.cluster_n, bool):
-            raise ValueError(f"cluster_n={self.cluster_n!r} must be 1 or 2")
+        for name in ("cluster_m", "cluster_n"):
+            value = getattr(self, name)
+            if value not in (1, 2) or isinstance(value, bool):
+                raise ValueError(f"{name}={value!r} must be 1 or 2")
+        if self.cluster_m * self.cluster_n > 2:
+            raise ValueError(
+                f"cluster_m={self.cluster_m} and cluster_n={self.cluster_n}: a cluster has at "
+                "most 2 CTAs (one of them must be 1)"
+            )
         if self.consumer_dim not in ("m", "n"):
             raise ValueError(f"consumer_dim={self.consumer_dim!r} must be 'm' or 'n'")
         split = block_m if self.consumer_dim == "m" else block_n
@@ -150,6 +164,11 @@ class TileConfig:
     def consumer_n(self) -> int:
         """Columns of the output tile owned by one consumer warpgroup."""
         return self.block_n // self.num_consumers if self.consumer_dim == "n" else self.block_n
+
+    @property
+    def cluster_size(self) -> int:
+        """CTAs per cluster."""
+        return self.cluster_m * self.cluster_n
 
     @property
     def epilogue_tile(self) -> tuple[int, int]:

@@ -5,6 +5,7 @@ bits independent of where a group starts)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import chex
@@ -201,18 +202,24 @@ def test_consumers_splitting_rows_match_reference(product):
     chex.assert_trees_all_equal(out[past], jnp.zeros_like(out)[past])
 
 
+@pytest.mark.parametrize("cluster", ["cluster_n", "cluster_m"])
 @pytest.mark.parametrize("product", ["gmm", "dgrad", "swiglu"])
-def test_clusters_of_two_give_the_same_bits(product):
-    """Invariant 7: two CTAs a cluster, the lhs tile multicast into both, under the race
-    detector: the reference's values, and bitwise the single-CTA kernel's output (each tile
-    runs the same K steps in the same order wherever it is computed)."""
+def test_clusters_of_two_give_the_same_bits(product, cluster):
+    """Invariant 7: two CTAs a cluster, the lhs tile (cluster_n) or the rhs tile (cluster_m)
+    multicast into both, under the race detector: the reference's values, and bitwise the
+    single-CTA kernel's output (each tile runs the same K steps in the same order wherever it
+    is computed). The groups give cluster_m pairs whose second half has no rows of the group,
+    and, at the end of M, one wholly past lhs's rows."""
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
 
     m, k, n = 300, 128, 256
-    sizes = (70, 0, 100, 3, 64)
+    # cluster_m pairs of 64-row halves: group 3's second half holds none of its rows; the
+    # rows past every group (256-299) make a pair whose second half starts at 320, past
+    # lhs's 304 padded rows.
+    sizes = (70, 0, 100, 3, 83)
     lhs, rhs, group_sizes, _, key = _inputs(m, k, n, sizes)
     single = dataclasses.replace(SMALL, grid_size=4)
-    paired = dataclasses.replace(single, cluster_n=2)
+    paired = dataclasses.replace(single, **{cluster: 2})
     params = plgpu.InterpretGPUParams(detect_races=True)
     if product == "swiglu":
         w_up = (jax.random.normal(key, rhs.shape, jnp.float32) / 4).astype(jnp.bfloat16)
@@ -414,15 +421,17 @@ def _lowered_text(fn, *args):
 
 
 @pytest.mark.parametrize(
-    "product", ["gmm", "gmm_odd_rows", "dgrad", "weighted_f32", "swiglu", "gmm_cluster"]
+    "product",
+    ["gmm", "gmm_odd_rows", "dgrad", "weighted_f32", "swiglu", "gmm_cluster", "gmm_cluster_m"],
 )
 def test_lowers_for_cuda_at_real_size(product):
     bf16 = jnp.bfloat16
     sizes = _S((G,), jnp.int32)
     if product == "gmm":
         text = _lowered_text(mosaic_gpu.gmm, _S((M, K), bf16), _S((G, K, N), bf16), sizes)
-    elif product == "gmm_cluster":  # clusters of 2 CTAs, lhs multicast, rows split
-        config = dataclasses.replace(mosaic_gpu.default_config(n=N), cluster_n=2, consumer_dim="m")
+    elif product in ("gmm_cluster", "gmm_cluster_m"):  # clusters of 2 CTAs, rows split
+        cluster = {"cluster_n": 2} if product == "gmm_cluster" else {"cluster_m": 2}
+        config = dataclasses.replace(mosaic_gpu.default_config(n=N), consumer_dim="m", **cluster)
         text = _lowered_text(
             lambda a, b, s: mosaic_gpu.gmm(a, b, s, config=config),
             _S((M, K), bf16),
@@ -502,13 +511,14 @@ def test_gpu_real_size_values_and_bitwise_repeatability(transpose_rhs):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("product", ["gmm", "swiglu", "cluster2"])
+@pytest.mark.parametrize("product", ["gmm", "swiglu", "cluster_n2", "cluster_m2"])
 def test_gpu_release_delay_does_not_change_bits(product):
     """Invariant 5 on the hardware (the interpreter runs wgmma synchronously, so only the GPU
     can show a stage refilled under a running wgmma): two stages and 64 K steps a tile, so
     the producer refills each stage right after its release; delay_release=1 (one step of
     wgmmas in flight when a stage is released) must give the bits of delay_release=0 and the
-    reference's values. Clusters of two CTAs run the same check with the multicast lhs."""
+    reference's values. Clusters of two CTAs run the same check with the multicast lhs
+    (cluster_n) or rhs (cluster_m)."""
     m, k, n, g = 4096, 4096, 512, 8
     keys = jax.random.split(jax.random.key(5), 3)
     lhs = jax.random.normal(keys[0], (m, k), jnp.float32).astype(jnp.bfloat16)
@@ -517,7 +527,10 @@ def test_gpu_release_delay_does_not_change_bits(product):
     sizes = _uniform_group_sizes(m - 40, g, 1)
     base = mosaic_gpu.default_config(n=n, swiglu=product == "swiglu")
     base = dataclasses.replace(
-        base, max_concurrent_steps=2, cluster_n=2 if product == "cluster2" else 1
+        base,
+        max_concurrent_steps=2,
+        cluster_n=2 if product == "cluster_n2" else 1,
+        cluster_m=2 if product == "cluster_m2" else 1,
     )
 
     def run(delay):
@@ -568,3 +581,46 @@ def test_gpu_row_bits_do_not_depend_on_where_the_group_starts():
     """Invariant 1 on the hardware: wgmma computes a row the same way at any tile position."""
     sizes = tuple(int(s) for s in _uniform_group_sizes(4000, 16, 5))
     _check_offset_independence(4000, 2048, 1536, sizes, pad=13, config=None, interpret=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cluster", ["cluster_n", "cluster_m"])
+@pytest.mark.parametrize("product", ["gmm", "dgrad", "scaled_f32", "swiglu"])
+def test_gpu_clusters_give_the_single_cta_bits(product, cluster):
+    """Invariant 7 on the hardware at a real size (qwen3 gate_up, M not a multiple of 8, rows
+    past every group): two CTAs a cluster, with the multicast lhs or rhs, give the bits of
+    one CTA a cluster (with cluster_m, pairs whose second half holds no rows of its group, or
+    starts past M, are common)."""
+    m, k, n, g = 16381, 2048, 1536, 128
+    keys = jax.random.split(jax.random.key(7), 4)
+    lhs = jax.random.normal(keys[0], (m, k), jnp.float32).astype(jnp.bfloat16)
+    shape = (g, n, k) if product == "dgrad" else (g, k, n)
+    rhs = (jax.random.normal(keys[1], shape, jnp.float32) / 32).astype(jnp.bfloat16)
+    w_up = (jax.random.normal(keys[2], shape, jnp.float32) / 32).astype(jnp.bfloat16)
+    scale = jax.random.uniform(keys[3], (m,), jnp.float32)
+    sizes = _uniform_group_sizes(m - 300, g, 8)
+    single = mosaic_gpu.default_config(n=n, swiglu=product == "swiglu")
+    single = dataclasses.replace(single, cluster_n=1, cluster_m=1)
+    paired = dataclasses.replace(single, **{cluster: 2})
+
+    def run(config):
+        if product == "swiglu":
+            fn = functools.partial(mosaic_gpu.gmm_swiglu, config=config)
+            return jax.jit(fn)(lhs, rhs, w_up, sizes)
+        if product == "scaled_f32":
+            fn = functools.partial(mosaic_gpu.gmm, out_dtype=jnp.float32, config=config)
+            return jax.jit(fn)(lhs, rhs, sizes, row_scale_m=scale)
+        fn = functools.partial(mosaic_gpu.gmm, transpose_rhs=product == "dgrad", config=config)
+        return jax.jit(fn)(lhs, rhs, sizes)
+
+    out = run(paired)
+    chex.assert_trees_all_equal(out, run(single))
+    chex.assert_trees_all_equal(out[m - 300 :], jnp.zeros_like(out[m - 300 :]))
+    rows = np.random.default_rng(9).choice(m - 300, 128, replace=False)
+    expected = _sampled_rows_reference(lhs, rhs, sizes, rows, transpose_rhs=product == "dgrad")
+    if product == "swiglu":
+        up = _sampled_rows_reference(lhs, w_up, sizes, rows)
+        expected = expected / (1 + np.exp(-expected)) * up
+    elif product == "scaled_f32":
+        expected = expected * np.asarray(scale)[rows, None]
+    _assert_close(np.asarray(out)[rows], expected, out.dtype)
