@@ -513,3 +513,22 @@ def test_a_call_of_main_counts_its_budget_from_the_call(tmp_path, monkeypatch):
     results = bench.main(["--smoke", "--no-ceilings", "--xla-products", "forward", *out])
     assert "stopped" not in results
     assert results["elapsed_s"] < 540.0
+
+
+def test_gmm_probe_fixed_share_is_the_part_that_does_not_scale_with_k():
+    from bench import gmm_probe
+
+    def record(k, ours_ms, torch_ms):
+        return {"shape": "s", "variant": "ours", "k": k, "ours_ms": ours_ms, "torch_ms": torch_ms}
+
+    # ours: 1 ms fixed + 4 ms per K; torch: no fixed part.
+    rows = gmm_probe.fixed_shares([record(1024, 5.0, 4.0), record(2048, 9.0, 8.0)])
+    assert rows == [
+        {
+            "shape": "s",
+            "variant": "ours",
+            "k": 1024,
+            "ours_fixed_share": 0.2,
+            "torch_fixed_share": 0.0,
+        }
+    ]

@@ -599,7 +599,12 @@ def test_gpu_clusters_give_the_single_cta_bits(product, cluster):
     w_up = (jax.random.normal(keys[2], shape, jnp.float32) / 32).astype(jnp.bfloat16)
     scale = jax.random.uniform(keys[3], (m,), jnp.float32)
     sizes = _uniform_group_sizes(m - 300, g, 8)
-    single = mosaic_gpu.default_config(n=n, swiglu=product == "swiglu")
+    single = mosaic_gpu.default_config(
+        n=n,
+        transpose_rhs=product == "dgrad",
+        out_dtype=jnp.float32 if product == "scaled_f32" else None,
+        swiglu=product == "swiglu",
+    )
     single = dataclasses.replace(single, cluster_n=1, cluster_m=1)
     paired = dataclasses.replace(single, **{cluster: 2})
 
