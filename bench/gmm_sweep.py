@@ -124,6 +124,15 @@ def candidates(product: str, shape: gg.Shape, *, smoke: bool = False) -> list[Tr
                 "clusters do",
                 cluster_n=2,
             )
+        if (n_out // base.block_n) % 2 == 0:
+            add(
+                "cluster_2x2",
+                "clusters of 2 x 2 CTAs, each lhs tile multicast along the cluster's columns "
+                "and each rhs tile along its rows: half the L2 reads of one CTA (1.5/256 B per "
+                "FLOP), for the row waste of cluster_m2 (groups tiled in 256 rows)",
+                cluster_m=2,
+                cluster_n=2,
+            )
         add(
             "cluster_m2",
             "clusters of 2 CTAs on the two 128-row halves of a 256-row tile of one group, "
@@ -138,13 +147,6 @@ def candidates(product: str, shape: gg.Shape, *, smoke: bool = False) -> list[Tr
             "cluster_m2 with the consumers splitting the tile's rows (split_m)",
             cluster_m=2,
             consumer_dim="m",
-        )
-        add(
-            "cluster_m2_order_m8",
-            "cluster_m2 in bands of 8 pairs (16 row tiles, the L2 band of the default)",
-            cluster_m=2,
-            grid_minor_dim="m",
-            grid_tile_width=8,
         )
         if (n_out // base.block_n) % 2 == 0:
             add(

@@ -49,14 +49,15 @@ Invariants (numbered; the tests check each):
      K steps (a carry of the tile loop), so step n always uses stage n % max_concurrent_steps
      and every barrier's phases are waited in order, each exactly once by each waiter. Tiles
      that run no K loop (rows of no group, unused schedule entries) load nothing.
-  7. With two CTAs a cluster, both walk the same work in the same order and run the same K
-     steps into the same stages: with cluster_n = 2 they compute column tiles 2j and 2j + 1
-     of the same row tile and each stage's lhs tile is multicast into both; with cluster_m = 2
-     they compute the two block_m-row halves of the same [2 * block_m, block_n] tile of one
-     group (the schedule tiles groups in 2 * block_m rows) and each stage's rhs tile is
-     multicast into both. Whether a tile runs its K loop is decided for the pair (a half with
-     no rows of the group still loads and computes, and stores nothing), and a stage is
-     refilled only after the consumers of both CTAs released it (a cluster barrier).
+  7. The CTAs of a cluster (2, or 4 with cluster_m = cluster_n = 2) walk the same work in the
+     same order and run the same K steps into the same stages: along cluster_n they compute
+     column tiles 2j and 2j + 1 of the same row tile and each stage's lhs tile is multicast
+     into both; along cluster_m they compute the two block_m-row halves of the same
+     [2 * block_m, block_n] tile of one group (the schedule tiles groups in 2 * block_m rows)
+     and each stage's rhs tile is multicast into both. Whether a tile runs its K loop is
+     decided for the whole cluster (a half with no rows of the group still loads and
+     computes, and stores nothing), and a stage is refilled only after the consumers of every
+     CTA of the cluster released it (a cluster barrier).
 """
 
 from __future__ import annotations
@@ -152,6 +153,11 @@ def _store_rows(src_smem, dst_gmem, lo, hi, *, granule: int = 1):
         power //= 2
 
 
+def _cluster_axes(config: TileConfig) -> tuple[str, ...]:
+    """The kernel's cluster axes: "cluster_m" and "cluster_n", those of size 2 (invariant 7)."""
+    return tuple(axis for axis in ("cluster_m", "cluster_n") if getattr(config, axis) == 2)
+
+
 def _kernel(
     schedule_ref,
     lhs_ref,
@@ -186,10 +192,10 @@ def _kernel(
         plgpu.SwizzleTransform(out_swizzle),
     )
 
-    # With clusters of two CTAs (invariant 7), the grid walks pairs of tiles. cluster_n: CTA c
-    # computes column tile 2 * pair + c of a row tile, the lhs tile multicast. cluster_m: the
-    # schedule's row tiles are 2 * block_m rows of one group and CTA c computes their half c,
-    # the rhs tile multicast.
+    # With clusters (invariant 7), the grid walks pairs of tiles along each cluster axis.
+    # cluster_n: CTA c computes column tile 2 * pair + c of a row tile, the lhs tile multicast.
+    # cluster_m: the schedule's row tiles are 2 * block_m rows of one group and CTA c computes
+    # their half c, the rhs tile multicast.
     cluster = config.cluster_size
     pairs_n = num_tiles_n // config.cluster_n
     num_tiles = num_tiles_m * pairs_n
@@ -206,7 +212,7 @@ def _kernel(
             config.grid_tile_width,
         )
         if multicast_lhs:
-            return mi, nj * cluster + lax.axis_index("cluster")
+            return mi, nj * config.cluster_n + lax.axis_index("cluster_n")
         return mi, nj
 
     def this_half(row0, lo, hi):
@@ -215,7 +221,7 @@ def _kernel(
         second half at the end of M) loads lhs's last block_m rows instead, and stores none."""
         if not multicast_rhs:
             return row0, lo, hi
-        offset = lax.axis_index("cluster") * block_m
+        offset = lax.axis_index("cluster_m") * block_m
         half_row0 = row0 + offset
         half_row0 = jnp.where(half_row0 >= num_lhs_rows, num_lhs_rows - block_m, half_row0)
         return (
@@ -266,13 +272,15 @@ def _kernel(
             for _ in range(num_consumers)
         ],
         loaded=plgpu.Barrier(num_arrivals=1 + num_rhs, num_barriers=stages),
-        # With clusters, a stage is refilled (by both CTAs' multicast) only after the
-        # consumers of both CTAs released it.
+        # With clusters, a stage is refilled (by the CTAs' multicasts) only after the
+        # consumers of every CTA of the cluster released it.
         consumed=(
             plgpu.Barrier(num_arrivals=num_consumers, num_barriers=stages)
             if cluster == 1
             else plgpu.ClusterBarrier(
-                collective_axes=("cluster",), num_arrivals=num_consumers, num_barriers=stages
+                collective_axes=_cluster_axes(config),
+                num_arrivals=num_consumers,
+                num_barriers=stages,
             )
         ),
         collective_axes="wg",
@@ -302,7 +310,7 @@ def _kernel(
                             lhs_ref.at[pl.ds(row0, block_m), ks],
                             lhs_smem.at[slot],
                             loaded.at[slot],
-                            collective_axes="cluster" if multicast_lhs else None,
+                            collective_axes="cluster_n" if multicast_lhs else None,
                         )
                         ns = pl.ds(ni * block_n, block_n)
                         for rhs_ref, rhs_smem in zip(rhs_refs, rhs_smems, strict=True):
@@ -315,7 +323,7 @@ def _kernel(
                                 src,
                                 rhs_smem.at[slot],
                                 loaded.at[slot],
-                                collective_axes="cluster" if multicast_rhs else None,
+                                collective_axes="cluster_m" if multicast_rhs else None,
                             )
 
                 return step0 + jnp.where(runs, k_steps, 0)
@@ -632,7 +640,14 @@ def _grouped_call(
         out_type=jax.ShapeDtypeStruct((out_rows, n), out_dtype),
         grid=(max(1, grid_size // cluster),),
         grid_names=("sm",),
-        **({} if cluster == 1 else {"cluster": (cluster,), "cluster_names": ("cluster",)}),
+        **(
+            {}
+            if cluster == 1
+            else {
+                "cluster": tuple(getattr(config, axis) for axis in _cluster_axes(config)),
+                "cluster_names": _cluster_axes(config),
+            }
+        ),
         num_threads=config.num_consumers + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),

@@ -69,16 +69,18 @@ class TileConfig:
         block_n // num_consumers columns of all block_m rows (wgmma m64 x n consumer_n); "m",
         each owns block_m // num_consumers rows of all block_n columns (wgmma m64 x n block_n:
         fewer, wider instructions, each reading its lhs rows once; gmm and gmm_swiglu only).
-      cluster_n: CTAs per cluster (1 or 2). With 2, the two CTAs of a cluster compute
-        neighbouring column tiles of the same row tile, and each lhs tile is loaded once from
-        L2 and multicast into both (half the lhs traffic); the grid is then grid_size // 2
-        clusters, and N must hold an even number of column tiles (gmm and gmm_swiglu only).
-      cluster_m: CTAs per cluster along rows (1 or 2; not with cluster_n=2). With 2, the two
-        CTAs of a cluster compute the two halves of a [2 * block_m, block_n] tile of one
-        group, and each rhs tile (the group's weights) is loaded once from L2 and multicast
-        into both (half the rhs traffic, the larger operand for block_n > block_m); a group's
-        rows are then tiled in 2 * block_m rows, so a pair's second half may hold no rows of
-        the group and compute rows it never stores (gmm and gmm_swiglu only).
+      cluster_n: CTAs per cluster along columns (1 or 2). With 2, the two CTAs of a cluster
+        compute neighbouring column tiles of the same row tile, and each lhs tile is loaded
+        once from L2 and multicast into both (half the lhs traffic); the grid is then
+        grid_size // 2 clusters, and N must hold an even number of column tiles (gmm and
+        gmm_swiglu only).
+      cluster_m: CTAs per cluster along rows (1 or 2). With 2, the two CTAs of a cluster
+        compute the two halves of a [2 * block_m, block_n] tile of one group, and each rhs
+        tile (the group's weights) is loaded once from L2 and multicast into both (half the
+        rhs traffic, the larger operand for block_n > block_m); a group's rows are then tiled
+        in 2 * block_m rows, so a pair's second half may hold no rows of the group and compute
+        rows it never stores (gmm and gmm_swiglu only). With cluster_n = 2 too, a cluster is
+        2 x 2 CTAs (both operands multicast, a quarter of the grid's clusters).
     """
 
     block_m: int = 128
@@ -112,11 +114,6 @@ class TileConfig:
             value = getattr(self, name)
             if value not in (1, 2) or isinstance(value, bool):
                 raise ValueError(f"{name}={value!r} must be 1 or 2")
-        if self.cluster_m * self.cluster_n > 2:
-            raise ValueError(
-                f"cluster_m={self.cluster_m} and cluster_n={self.cluster_n}: a cluster has at "
-                "most 2 CTAs (one of them must be 1)"
-            )
         if self.consumer_dim not in ("m", "n"):
             raise ValueError(f"consumer_dim={self.consumer_dim!r} must be 'm' or 'n'")
         split = block_m if self.consumer_dim == "m" else block_n

@@ -202,11 +202,18 @@ def test_consumers_splitting_rows_match_reference(product):
     chex.assert_trees_all_equal(out[past], jnp.zeros_like(out)[past])
 
 
-@pytest.mark.parametrize("cluster", ["cluster_n", "cluster_m"])
+CLUSTERS = {
+    "cluster_n": {"cluster_n": 2},
+    "cluster_m": {"cluster_m": 2},
+    "cluster_2x2": {"cluster_m": 2, "cluster_n": 2},
+}
+
+
+@pytest.mark.parametrize("cluster", list(CLUSTERS))
 @pytest.mark.parametrize("product", ["gmm", "dgrad", "swiglu"])
-def test_clusters_of_two_give_the_same_bits(product, cluster):
-    """Invariant 7: two CTAs a cluster, the lhs tile (cluster_n) or the rhs tile (cluster_m)
-    multicast into both, under the race detector: the reference's values, and bitwise the
+def test_clusters_give_the_same_bits(product, cluster):
+    """Invariant 7: clusters of CTAs, the lhs tile (cluster_n), the rhs tile (cluster_m) or
+    both (2 x 2) multicast, under the race detector: the reference's values, and bitwise the
     single-CTA kernel's output (each tile runs the same K steps in the same order wherever it
     is computed). The groups give cluster_m pairs whose second half has no rows of the group,
     and, at the end of M, one wholly past lhs's rows."""
@@ -219,7 +226,7 @@ def test_clusters_of_two_give_the_same_bits(product, cluster):
     sizes = (70, 0, 100, 3, 83)
     lhs, rhs, group_sizes, _, key = _inputs(m, k, n, sizes)
     single = dataclasses.replace(SMALL, grid_size=4)
-    paired = dataclasses.replace(single, **{cluster: 2})
+    paired = dataclasses.replace(single, **CLUSTERS[cluster])
     params = plgpu.InterpretGPUParams(detect_races=True)
     if product == "swiglu":
         w_up = (jax.random.normal(key, rhs.shape, jnp.float32) / 4).astype(jnp.bfloat16)
@@ -422,15 +429,24 @@ def _lowered_text(fn, *args):
 
 @pytest.mark.parametrize(
     "product",
-    ["gmm", "gmm_odd_rows", "dgrad", "weighted_f32", "swiglu", "gmm_cluster", "gmm_cluster_m"],
+    [
+        "gmm",
+        "gmm_odd_rows",
+        "dgrad",
+        "weighted_f32",
+        "swiglu",
+        "gmm_cluster_n",
+        "gmm_cluster_m",
+        "gmm_cluster_2x2",
+    ],
 )
 def test_lowers_for_cuda_at_real_size(product):
     bf16 = jnp.bfloat16
     sizes = _S((G,), jnp.int32)
     if product == "gmm":
         text = _lowered_text(mosaic_gpu.gmm, _S((M, K), bf16), _S((G, K, N), bf16), sizes)
-    elif product in ("gmm_cluster", "gmm_cluster_m"):  # clusters of 2 CTAs, rows split
-        cluster = {"cluster_n": 2} if product == "gmm_cluster" else {"cluster_m": 2}
+    elif product.startswith("gmm_cluster"):  # clusters of CTAs, rows split between consumers
+        cluster = CLUSTERS[product.removeprefix("gmm_")]
         config = dataclasses.replace(mosaic_gpu.default_config(n=N), consumer_dim="m", **cluster)
         text = _lowered_text(
             lambda a, b, s: mosaic_gpu.gmm(a, b, s, config=config),
@@ -511,14 +527,14 @@ def test_gpu_real_size_values_and_bitwise_repeatability(transpose_rhs):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("product", ["gmm", "swiglu", "cluster_n2", "cluster_m2"])
+@pytest.mark.parametrize("product", ["gmm", "swiglu", *CLUSTERS])
 def test_gpu_release_delay_does_not_change_bits(product):
     """Invariant 5 on the hardware (the interpreter runs wgmma synchronously, so only the GPU
     can show a stage refilled under a running wgmma): two stages and 64 K steps a tile, so
     the producer refills each stage right after its release; delay_release=1 (one step of
     wgmmas in flight when a stage is released) must give the bits of delay_release=0 and the
-    reference's values. Clusters of two CTAs run the same check with the multicast lhs
-    (cluster_n) or rhs (cluster_m)."""
+    reference's values. Clusters run the same check with the multicast lhs (cluster_n), rhs
+    (cluster_m) or both (2 x 2)."""
     m, k, n, g = 4096, 4096, 512, 8
     keys = jax.random.split(jax.random.key(5), 3)
     lhs = jax.random.normal(keys[0], (m, k), jnp.float32).astype(jnp.bfloat16)
@@ -526,12 +542,7 @@ def test_gpu_release_delay_does_not_change_bits(product):
     w_up = (jax.random.normal(keys[2], (g, k, n), jnp.float32) / 64).astype(jnp.bfloat16)
     sizes = _uniform_group_sizes(m - 40, g, 1)
     base = mosaic_gpu.default_config(n=n, swiglu=product == "swiglu")
-    base = dataclasses.replace(
-        base,
-        max_concurrent_steps=2,
-        cluster_n=2 if product == "cluster_n2" else 1,
-        cluster_m=2 if product == "cluster_m2" else 1,
-    )
+    base = dataclasses.replace(base, max_concurrent_steps=2, **CLUSTERS.get(product, {}))
 
     def run(delay):
         config = dataclasses.replace(base, delay_release=delay)
@@ -584,7 +595,7 @@ def test_gpu_row_bits_do_not_depend_on_where_the_group_starts():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cluster", ["cluster_n", "cluster_m"])
+@pytest.mark.parametrize("cluster", list(CLUSTERS))
 @pytest.mark.parametrize("product", ["gmm", "dgrad", "scaled_f32", "swiglu"])
 def test_gpu_clusters_give_the_single_cta_bits(product, cluster):
     """Invariant 7 on the hardware at a real size (qwen3 gate_up, M not a multiple of 8, rows
@@ -606,7 +617,7 @@ def test_gpu_clusters_give_the_single_cta_bits(product, cluster):
         swiglu=product == "swiglu",
     )
     single = dataclasses.replace(single, cluster_n=1, cluster_m=1)
-    paired = dataclasses.replace(single, **{cluster: 2})
+    paired = dataclasses.replace(single, **CLUSTERS[cluster])
 
     def run(config):
         if product == "swiglu":

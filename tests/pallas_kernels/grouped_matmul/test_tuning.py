@@ -27,7 +27,6 @@ from pallas_kernels.grouped_matmul.tuning import TileConfig
         ({"consumer_dim": "k"}, "consumer_dim='k' must be 'm' or 'n'"),
         ({"cluster_n": 3}, "cluster_n=3 must be 1 or 2"),
         ({"cluster_m": True}, "cluster_m=True must be 1 or 2"),
-        ({"cluster_m": 2, "cluster_n": 2}, "a cluster has at most 2 CTAs"),
         (
             {"consumer_dim": "m", "block_m": 64},
             "block_m=64 must be a multiple of 64 * num_consumers=128",
