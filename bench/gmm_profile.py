@@ -11,6 +11,12 @@ launches: SM and memory throughput, the tensor pipes' activity, L2 hit rates, wa
 reasons, the SM clock during the kernel, and for clusters how many can be resident at once.
 Where a kernel spends its time shows there, not in the timings alone, which move by ~5% from run
 to run and device to device.
+
+--sustain-s S (run it without ncu): each candidate instead runs back to back for S seconds
+while a thread reads `nvidia-smi` (SM clock, power, the reasons the clocks are held down) every
+0.1 s: whether a kernel runs slower because the device lowers its clocks under it (power or
+thermal limits differ from one H200 to another). Prints one JSON line a candidate and writes
+them to --out.
 """
 
 from __future__ import annotations
@@ -22,13 +28,89 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.80")
 
 import argparse
 import functools
-from collections.abc import Sequence
+import json
+import pathlib
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Sequence
 
 import jax
+import numpy as np
 
 from bench import gmm_sweep
 from bench import grouped_gemm_h200 as gg
 from pallas_kernels.grouped_matmul import mosaic_gpu
+
+# nvidia-smi's field for the reasons clocks are held down, by its newer name, then its older.
+SMI_FIELD_SETS = (
+    "clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active",
+    "clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active",
+)
+
+
+def _parse_smi(line: str) -> list[float]:
+    """nvidia-smi's csv values: numbers, the reasons a hexadecimal bit mask."""
+    values = [v.strip() for v in line.split(",")]
+    return [float(int(v, 16)) if v.startswith("0x") else float(v) for v in values]
+
+
+def _read_smi() -> list[float] | None:
+    """[SM MHz, W, deg C, active clock-event reasons as a bit mask] now, or None."""
+    for fields in SMI_FIELD_SETS:
+        try:
+            result = subprocess.run(
+                ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
+                capture_output=True,
+                text=True,
+                timeout=5,
+                check=True,
+            )
+            return _parse_smi(result.stdout.splitlines()[0])
+        except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+            continue
+    return None
+
+
+def sustain(name: str, call: Callable, sync: Callable, seconds: float) -> dict:
+    """`call` back to back for `seconds` (a sync every 10 calls), nvidia-smi read every 0.1 s
+    meanwhile: the median SM clock, power and temperature, the clock-event reasons seen, the
+    mean time a call."""
+    samples: list[list[float]] = []
+    done = threading.Event()
+
+    def watch():
+        while not done.is_set():
+            reading = _read_smi()
+            if reading is not None:
+                samples.append(reading)
+            done.wait(0.1)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    calls, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for _ in range(10):
+            out = call()
+        sync(out)
+        calls += 10
+    elapsed = time.perf_counter() - start
+    done.set()
+    watcher.join()
+    table = np.asarray(samples) if samples else np.zeros((0, 4))
+    reasons = sorted({int(r) for r in table[:, 3]}) if len(table) else []
+    return {
+        "candidate": name,
+        "seconds": elapsed,
+        "calls": calls,
+        "ms_per_call": elapsed / calls * 1e3,
+        "smi_samples": len(table),
+        "sm_mhz_median": float(np.median(table[:, 0])) if len(table) else None,
+        "sm_mhz_min": float(np.min(table[:, 0])) if len(table) else None,
+        "power_w_median": float(np.median(table[:, 1])) if len(table) else None,
+        "temperature_c_max": float(np.max(table[:, 2])) if len(table) else None,
+        "clock_event_reasons_seen": [hex(r) for r in reasons],
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -37,6 +119,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--labels", default="default,cluster2", help="comma-separated gmm_sweep forward labels"
     )
+    parser.add_argument(
+        "--sustain-s",
+        type=float,
+        default=0.0,
+        help="run each candidate this long under nvidia-smi readings instead of profiling",
+    )
+    parser.add_argument("--out", type=pathlib.Path, help="--sustain-s: the JSON file to write")
     args = parser.parse_args(argv)
     if jax.default_backend() != "gpu":
         parser.error("the profile needs the GPU: no GPU backend here")
@@ -72,6 +161,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         for _ in range(2):
             runs[name](call())
     torch.cuda.synchronize()
+    if args.sustain_s > 0:
+        rows = []
+        for name, call in calls.items():
+            rows.append(sustain(name, call, runs[name], args.sustain_s))
+            rows[-1]["shape"] = shape.name
+            print(json.dumps(rows[-1]), flush=True)
+            time.sleep(2.0)  # let the device settle between candidates
+        if args.out:
+            args.out.write_text(json.dumps(rows, indent=1))
+        return
     torch.cuda.profiler.start()
     for name, call in calls.items():
         print(f"profiled launch: {name}", flush=True)

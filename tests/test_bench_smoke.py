@@ -532,3 +532,24 @@ def test_gmm_probe_fixed_share_is_the_part_that_does_not_scale_with_k():
             "torch_fixed_share": 0.0,
         }
     ]
+
+
+def test_gmm_profile_sustain_reports_calls_clocks_and_reasons(monkeypatch):
+    from bench import gmm_profile
+
+    readings = iter([[1980.0, 610.0, 55.0, 0.0], [1755.0, 700.0, 61.0, 4.0]] * 1000)
+    monkeypatch.setattr(gmm_profile, "_read_smi", lambda: next(readings))
+    synced = []
+    row = gmm_profile.sustain("fake", lambda: 1, synced.append, 0.5)
+    assert row["calls"] == 10 * len(synced) and row["calls"] >= 10
+    assert row["ms_per_call"] == pytest.approx(row["seconds"] / row["calls"] * 1e3)
+    assert row["smi_samples"] >= 2
+    assert 1755.0 <= row["sm_mhz_median"] <= 1980.0 and row["sm_mhz_min"] == 1755.0
+    assert row["temperature_c_max"] == 61.0
+    assert row["clock_event_reasons_seen"] == ["0x0", "0x4"]
+    assert gmm_profile._parse_smi("1980, 612.35, 55, 0x0000000000000004") == [
+        1980.0,
+        612.35,
+        55.0,
+        4.0,
+    ]
