@@ -178,8 +178,15 @@ def candidates(product: str, shape: gg.Shape, *, smoke: bool = False) -> list[Tr
                 block_m=64,
             )
     elif product == "wgrad":
-        # Tile orders first (the default's bands of 16 K tiles are not yet measured; tuning.py
-        # has the HBM-bytes model behind them). K tiles are tgmm's output rows ("m").
+        # K tiles are tgmm's output rows ("m").
+        if -(-shape.k // base.block_m) % 2 == 0:
+            add(
+                "cluster_m2",
+                "clusters of 2 CTAs on K tiles 2j, 2j + 1 of one (group, N tile): each block "
+                "of dout rows (64 x 256, twice the lhs block) loaded once and multicast into "
+                "both; unlike the forward's cluster_m no group is padded",
+                cluster_m=2,
+            )
         add(
             "order_m32",
             "bands of 32 K tiles (all of K at mixtral: K tiles fastest): the model's least HBM "
@@ -187,14 +194,6 @@ def candidates(product: str, shape: gg.Shape, *, smoke: bool = False) -> list[Tr
             "stays in L2; 610 MB if under ~20 MiB of L2 is left for it",
             grid_minor_dim="m",
             grid_tile_width=32,
-        )
-        add(
-            "order_rows",
-            "the order before tile orders: each K tile's N tiles in a row (N bands wider than "
-            "any shape's N); measured 6.94 ms, 0.77x torch at mixtral, where the model reads "
-            "3236 MB a group",
-            grid_minor_dim="n",
-            grid_tile_width=256,
         )
         add(
             "order_m8",

@@ -41,6 +41,7 @@ _OUTPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp
 _ROW_ALIGN = 8
 _WG_AXIS = "wg"
 _SM_AXIS = "sm"
+_CLUSTER_AXIS = "cluster_m"
 # Columns of `row_blocks`'s table: per group, its row blocks (invariant 2 of `_tgmm_kernel`).
 _BASE, _LEAD, _NUM_BLOCKS, _TAIL_END = range(4)
 
@@ -51,11 +52,11 @@ def check_config(config: TileConfig) -> None:
     For tgmm, block_m tiles K (the output's rows), block_n tiles N and block_k is the number of
     a group's rows per step (one SMEM stage).
     """
-    for name in ("cluster_m", "cluster_n"):
-        if getattr(config, name) != 1:
-            raise ValueError(
-                f"tgmm runs one CTA per cluster: {name} must be 1, got {getattr(config, name)}"
-            )
+    if config.cluster_n != 1:
+        raise ValueError(
+            f"tgmm pairs CTAs only along its output's rows (cluster_m): cluster_n must be 1, "
+            f"got {config.cluster_n}"
+        )
     if config.consumer_dim != "n":
         raise ValueError(
             f"tgmm splits an output tile's columns between its consumers: consumer_dim must be "
@@ -88,6 +89,8 @@ def unit_tile(unit, *, units_k: int, units_n: int, config: TileConfig):
     group g's. Within a group, `plgpu.planar_snake` over (K tiles, N tiles): bands of
     `config.grid_tile_width` K tiles for grid_minor_dim="m" (tgmm's output rows are K), of N
     tiles for "n". A bijection from [0, G * units_k * units_n) onto the (g, k, n) tiles.
+    With cluster_m = 2, units_k counts pairs of K tiles (the caller maps a pair to its CTA's
+    tile).
     """
     per_group = units_k * units_n
     k_idx, n_idx = plgpu.planar_snake(
@@ -171,6 +174,12 @@ def _tgmm_kernel(
          unit's own group's row of `blocks_g_ref`, loaded one unit ahead), so step s always
          uses stage s % max_concurrent_steps and every barrier's phases are waited in order,
          each exactly once by each waiter. Units of empty groups load nothing and store zeros.
+      7. With cluster_m = 2, a unit is a pair of K tiles 2j, 2j + 1 of one (group, N tile),
+         computed by the two CTAs of a cluster: they read the same row blocks in the same
+         order, so each stage's rhs block is loaded once and multicast into both (each CTA
+         then zeroes the outside rows of its own copy, invariant 3), and a stage is refilled
+         only after the compute warpgroups of both CTAs released it (a cluster barrier). No
+         group is padded: every unit of a pair holds rows of the same group.
     """
     num_k, num_n = lhs_mk_ref.shape[1], rhs_mn_ref.shape[1]
     # Names in this kernel: block_m rows of a group per step, an output tile [tile_k, tile_n].
@@ -180,6 +189,9 @@ def _tgmm_kernel(
     stages = config.max_concurrent_steps
     delay = config.delay_release
     units_k, units_n = pl.cdiv(num_k, tile_k), pl.cdiv(num_n, tile_n)
+    paired = config.cluster_m == 2
+    # With clusters, a unit is a pair of K tiles (invariant 7).
+    units_k //= config.cluster_m
     epilogue_k, epilogue_n = config.epilogue_tile
     out_dtype = out_gkn_ref.dtype
     in_dtype = lhs_mk_ref.dtype
@@ -188,7 +200,10 @@ def _tgmm_kernel(
     num_units = num_groups * units_per_group
 
     def tile_of(unit):
-        return unit_tile(unit, units_k=units_k, units_n=units_n, config=config)
+        g, k_idx, n_idx = unit_tile(unit, units_k=units_k, units_n=units_n, config=config)
+        if paired:
+            k_idx = k_idx * 2 + lax.axis_index(_CLUSTER_AXIS)
+        return g, k_idx, n_idx
 
     def unit_loop(*columns):
         """This CTA's units in order: `body(unit, steps, *values) -> steps` runs unit `unit`
@@ -225,7 +240,15 @@ def _tgmm_kernel(
             transforms=_swizzled(epilogue_n, out_dtype),
         ),
         loaded=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-        consumed=plgpu.Barrier(num_arrivals=num_consumers, num_barriers=stages),
+        consumed=(
+            plgpu.ClusterBarrier(
+                collective_axes=(_CLUSTER_AXIS,),
+                num_arrivals=num_consumers,
+                num_barriers=stages,
+            )
+            if paired
+            else plgpu.Barrier(num_arrivals=num_consumers, num_barriers=stages)
+        ),
         collective_axes=_WG_AXIS,
     )
     def _scope(lhs_smem, rhs_smem, out_smem, loaded, consumed):
@@ -254,7 +277,10 @@ def _tgmm_kernel(
                         lhs_mk_ref.at[rows, k_slice], lhs_smem.at[slot], loaded.at[slot]
                     )
                     plgpu.copy_gmem_to_smem(
-                        rhs_mn_ref.at[rows, n_slice], rhs_smem.at[slot], loaded.at[slot]
+                        rhs_mn_ref.at[rows, n_slice],
+                        rhs_smem.at[slot],
+                        loaded.at[slot],
+                        collective_axes=_CLUSTER_AXIS if paired else None,
                     )
 
                 return step0 + num_blocks
@@ -384,6 +410,11 @@ def tgmm(
     if config is None:
         config = default_config(num_k, num_n)
     check_config(config)
+    if config.cluster_m == 2 and pl.cdiv(num_k, config.block_m) % 2:
+        raise ValueError(
+            f"cluster_m=2 pairs K tiles: K={num_k} / block_m={config.block_m} must give an even "
+            f"number of tiles, got {pl.cdiv(num_k, config.block_m)}"
+        )
     epilogue_row_bytes = config.epilogue_tile[1] * out_dtype.itemsize
     if epilogue_row_bytes % 32:
         raise ValueError(
@@ -415,11 +446,13 @@ def tgmm(
     else:
         grid_size = config.grid_size or tuning.persistent_grid_size()
         interpret_params = None
+    cluster = config.cluster_m
     kernel = plgpu.kernel(
         functools.partial(_tgmm_kernel, config=config, num_groups=num_groups),
         out_type=jax.ShapeDtypeStruct((num_groups, num_k, num_n), out_dtype),
-        grid=(grid_size,),
+        grid=(max(1, grid_size // cluster),),
         grid_names=(_SM_AXIS,),
+        **({} if cluster == 1 else {"cluster": (cluster,), "cluster_names": (_CLUSTER_AXIS,)}),
         num_threads=config.num_consumers + 1,
         thread_name=_WG_AXIS,
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),

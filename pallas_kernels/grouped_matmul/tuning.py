@@ -79,8 +79,10 @@ class TileConfig:
         tile (the group's weights) is loaded once from L2 and multicast into both (half the
         rhs traffic, the larger operand for block_n > block_m); a group's rows are then tiled
         in 2 * block_m rows, so a pair's second half may hold no rows of the group and compute
-        rows it never stores (gmm and gmm_swiglu only). With cluster_n = 2 too, a cluster is
-        2 x 2 CTAs (both operands multicast, a quarter of the grid's clusters).
+        rows it never stores. With cluster_n = 2 too, a cluster is 2 x 2 CTAs (both operands
+        multicast, a quarter of the grid's clusters). For tgmm, whose output rows are K, the
+        two CTAs compute K tiles 2j and 2j + 1 of one (group, N tile) and the rhs row blocks
+        are multicast; no group is padded (K must hold an even number of tiles).
     """
 
     block_m: int = 128

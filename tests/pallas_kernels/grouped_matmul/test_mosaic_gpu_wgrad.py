@@ -195,6 +195,25 @@ def test_no_races_between_warpgroups(delay_release):
     _assert_matches_reference(out, lhs, rhs, group_sizes)
 
 
+@pytest.mark.parametrize("delay_release", [0, 1])
+def test_clusters_of_two_k_tiles_give_the_same_bits(delay_release):
+    """Invariant 7 under the race detector: cluster_m = 2 pairs K tiles 2j, 2j + 1 of one
+    (group, N tile) on two CTAs, each rhs block multicast into both and masked in each copy;
+    the reference's values and bitwise the single-CTA output, with an empty group, groups
+    starting inside an 8-row tile, units of 1 to 3 row blocks, and rows of no group."""
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+    lhs, rhs = _inputs(6, 203, 256, 256)
+    group_sizes = jnp.asarray([60, 0, 93, 3, 30], jnp.int32)
+    single = dataclasses.replace(SMALL, delay_release=delay_release, grid_size=4)
+    paired = dataclasses.replace(single, cluster_m=2)
+    params = plgpu.InterpretGPUParams(detect_races=True)
+    out = jax.block_until_ready(tgmm(lhs, rhs, group_sizes, config=paired, interpret=params))
+    assert not gpu_callbacks.get_races().races_found
+    _assert_matches_reference(out, lhs, rhs, group_sizes)
+    chex.assert_trees_all_equal(out, tgmm(lhs, rhs, group_sizes, config=single, interpret=True))
+
+
 @pytest.mark.parametrize(
     ("units_k", "units_n", "minor", "width"),
     [
@@ -351,6 +370,8 @@ def test_bad_out_dtype_and_config_raise():
         tgmm(lhs, rhs, sizes, config=rows_split, interpret=True)
     with pytest.raises(ValueError, match="cluster_n must be 1, got 2"):
         tgmm(lhs, rhs, sizes, config=dataclasses.replace(SMALL, cluster_n=2), interpret=True)
+    with pytest.raises(ValueError, match="K=64 / block_m=64 must give an even number of tiles"):
+        tgmm(lhs, rhs, sizes, config=dataclasses.replace(SMALL, cluster_m=2), interpret=True)
     narrow_epilogue = dataclasses.replace(SMALL, epi_block_n=8)
     with pytest.raises(ValueError, match="epi_block_n=8 bfloat16 values is 16 bytes"):
         tgmm(lhs, rhs, sizes, config=narrow_epilogue, out_dtype=jnp.bfloat16, interpret=True)
@@ -389,6 +410,7 @@ def test_default_config_fits_the_shape(num_k, num_n):
             ),
         ),
         (37, 64, 128, 3, SMALL),  # M not a multiple of 8: padded
+        (16384, 4096, 28672, 8, TileConfig(block_n=256, max_concurrent_steps=3, cluster_m=2)),
     ],
 )
 def test_lowers_for_cuda(num_rows, num_k, num_n, num_groups, config):
@@ -480,6 +502,22 @@ def test_gpu_bits_depend_on_the_start_only_modulo_8():
 
     chex.assert_trees_all_equal(shifted(16), run(lhs, rhs, jnp.asarray(sizes)))
     chex.assert_trees_all_equal(shifted(13), shifted(5))
+
+
+@pytest.mark.gpu
+def test_gpu_clusters_of_two_k_tiles_give_the_single_cta_bits():
+    """Invariant 7 on the hardware at qwen3 gate_up's size: cluster_m = 2 (the rhs row blocks
+    multicast) gives the single-CTA bits."""
+    num_rows, num_k, num_n, num_groups = 131072, 2048, 1536, 128
+    lhs, rhs = _inputs(13, num_rows, num_k, num_n)
+    sizes = jnp.asarray(_uniform_sizes(num_rows - 77, num_groups, seed=4))
+    single = mosaic_gpu_wgrad.default_config(num_k, num_n)
+    paired = dataclasses.replace(single, cluster_m=2)
+
+    def run(config):
+        return jax.jit(lambda a, b, s: tgmm(a, b, s, config=config))(lhs, rhs, sizes)
+
+    chex.assert_trees_all_equal(run(paired), run(single))
 
 
 @pytest.mark.gpu
