@@ -57,7 +57,13 @@ Invariants (numbered; the tests check each):
      and each stage's rhs tile is multicast into both. Whether a tile runs its K loop is
      decided for the whole cluster (a half with no rows of the group still loads and
      computes, and stores nothing), and a stage is refilled only after the consumers of every
-     CTA of the cluster released it (a cluster barrier).
+     CTA that multicasts into it released it: itself and its partner along each cluster axis
+     (a cluster barrier over the cluster's axes; in a 2 x 2 cluster it does not wait for the
+     diagonal CTA, which writes nothing into this one: widen it before any multicast spans
+     the whole cluster). The GPU interpreter does not model multicast (each CTA copies its
+     own source into its own stages), so the interpret tests hold the arrivals, phases and
+     tile mapping of clusters, and the GPU tests hold the cross-CTA side
+     (test_gpu_clusters_give_the_single_cta_bits, test_gpu_release_delay_does_not_change_bits).
 """
 
 from __future__ import annotations
@@ -232,7 +238,8 @@ def _kernel(
 
     def fetch(lin):
         """The schedule of output tile `lin`: group, first row, and [lo, hi) the rows of the
-        tile it stores (scalar GMEM loads, made one tile ahead by the tile loop)."""
+        tile it stores (with cluster_m, the rows of the pair's 2 * block_m-row tile; scalar
+        GMEM loads, made one tile ahead by the tile loop)."""
         mi, _ = tile_coords(lin)
         return tuple(schedule_ref[mi, j] for j in range(4))
 
@@ -240,7 +247,7 @@ def _kernel(
         """Runs body(ni, group, row0, lo, hi, runs, step0) -> step count after the tile, for
         this program's output tiles in grid order, each tile's schedule loaded while the
         previous tile runs; returns the program's step count (invariant 6). `runs`: the tile
-        runs its K loop (in both CTAs of a cluster alike, invariant 7); [lo, hi): the rows of
+        runs its K loop (in every CTA of a cluster alike, invariant 7); [lo, hi): the rows of
         this CTA's tile it stores."""
 
         @ring.prefetching_loop(num_tiles, fetch, axis="sm")
@@ -273,7 +280,7 @@ def _kernel(
         ],
         loaded=plgpu.Barrier(num_arrivals=1 + num_rhs, num_barriers=stages),
         # With clusters, a stage is refilled (by the CTAs' multicasts) only after the
-        # consumers of every CTA of the cluster released it.
+        # consumers of this CTA and of its partner along each cluster axis released it.
         consumed=(
             plgpu.Barrier(num_arrivals=num_consumers, num_barriers=stages)
             if cluster == 1
@@ -621,8 +628,9 @@ def _grouped_call(
     schedule_t4 = jnp.stack([group_t, row0_t, lo_t, hi_t], axis=1).astype(jnp.int32)
     operands = [schedule_t4, lhs_mk, *rhs]
     if row_scale_m is not None:
-        # Scales are read for whole tiles: pad so the last tile's read stays in bounds.
-        operands.append(jnp.pad(row_scale_m, (0, out_rows - num_rows + block_m)))
+        # Scales are read for whole tiles (with cluster_m, a pair's): pad so that the last
+        # tile's read stays in bounds.
+        operands.append(jnp.pad(row_scale_m, (0, out_rows - num_rows + tile_m)))
     grid_size = config.grid_size or tuning.persistent_grid_size()
     cluster = config.cluster_size
     body = functools.partial(

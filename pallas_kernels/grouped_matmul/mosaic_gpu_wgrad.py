@@ -5,8 +5,9 @@
 `reference.tgmm` is the spec. This file: the tile config, the kernel body, the public wrapper.
 Tiles come from `tuning.TileConfig` (shape class "tgmm"): block_m tiles K, block_n tiles N,
 block_k is the number of a group's rows per step. One persistent kernel: each CTA walks its work
-units (output tiles); a memory warpgroup loads the row blocks of all of them, in order, into one
-ring of SMEM stages that the compute warpgroups (wgmma) drain (see `_tgmm_kernel`).
+units (output tiles; with cluster_m = 2, a cluster of two CTAs walks pairs of K tiles); a memory
+warpgroup loads the row blocks of all of them, in order, into one ring of SMEM stages that the
+compute warpgroups (wgmma) drain (see `_tgmm_kernel`).
 
 Tile order (TileConfig.grid_minor_dim, grid_tile_width): the work units are (group, K tile,
 N tile), group-major. Within a group, `plgpu.planar_snake` walks the (K tiles, N tiles) grid as
@@ -147,7 +148,8 @@ def _tgmm_kernel(
 
     Invariants:
       1. Each output tile [g, k tile, n tile] is one work unit (unit_tile maps the units onto
-         the tiles one to one, in the config's order), owned by one CTA; within it each
+         the tiles one to one, in the config's order; with cluster_m = 2 a unit is a pair of
+         K tiles, one a CTA of the cluster, invariant 7), owned by one CTA; within it each
          compute warpgroup owns its own columns. Every output element has exactly one writer, and
          it is written once, also for an empty group (zeros). No atomics, no split-K.
       2. A unit accumulates its group's rows in order, in blocks of block_m rows that start at
@@ -179,7 +181,10 @@ def _tgmm_kernel(
          order, so each stage's rhs block is loaded once and multicast into both (each CTA
          then zeroes the outside rows of its own copy, invariant 3), and a stage is refilled
          only after the compute warpgroups of both CTAs released it (a cluster barrier). No
-         group is padded: every unit of a pair holds rows of the same group.
+         group is padded: every unit of a pair holds rows of the same group. The GPU
+         interpreter does not model multicast (each CTA copies its own source), so the
+         interpret tests hold the arrivals, phases and tile mapping, and the GPU test
+         (test_gpu_clusters_of_two_k_tiles_give_the_single_cta_bits) the cross-CTA side.
     """
     num_k, num_n = lhs_mk_ref.shape[1], rhs_mn_ref.shape[1]
     # Names in this kernel: block_m rows of a group per step, an output tile [tile_k, tile_n].
@@ -381,7 +386,8 @@ def tgmm(
     """[G, K, N]: per group g, lhs[rows of g].T @ rhs[rows of g] (see reference.tgmm).
 
     lhs_mk: [M, K] and rhs_mn: [M, N], bf16 or f16 (the same); group_sizes_g: int32 [G].
-    K and N must be multiples of 64. Rows past sum(group_sizes_g) belong to no group; groups
+    K and N must be multiples of 64 (with config.cluster_m = 2, K must also hold an even number
+    of block_m tiles). Rows past sum(group_sizes_g) belong to no group; groups
     are clipped at M. Empty groups give zeros. Every lhs row must be finite, also rows of no
     group and of other groups: a group's first and last 8-row blocks multiply its neighbours'
     lhs rows by zeroed rhs rows, and 0 * inf is NaN (reference.tgmm masks instead; the layer's

@@ -71,16 +71,16 @@ class TileConfig:
         fewer, wider instructions, each reading its lhs rows once; gmm and gmm_swiglu only).
       cluster_n: CTAs per cluster along columns (1 or 2). With 2, the two CTAs of a cluster
         compute neighbouring column tiles of the same row tile, and each lhs tile is loaded
-        once from L2 and multicast into both (half the lhs traffic); the grid is then
-        grid_size // 2 clusters, and N must hold an even number of column tiles (gmm and
-        gmm_swiglu only).
+        once from L2 and multicast into both (half the lhs traffic); N must hold an even number
+        of column tiles (gmm and gmm_swiglu only). With clusters, the persistent grid is
+        grid_size // (cluster_m * cluster_n) clusters.
       cluster_m: CTAs per cluster along rows (1 or 2). With 2, the two CTAs of a cluster
         compute the two halves of a [2 * block_m, block_n] tile of one group, and each rhs
         tile (the group's weights) is loaded once from L2 and multicast into both (half the
         rhs traffic, the larger operand for block_n > block_m); a group's rows are then tiled
         in 2 * block_m rows, so a pair's second half may hold no rows of the group and compute
         rows it never stores. With cluster_n = 2 too, a cluster is 2 x 2 CTAs (both operands
-        multicast, a quarter of the grid's clusters). For tgmm, whose output rows are K, the
+        multicast; grid_size // 4 clusters). For tgmm, whose output rows are K, the
         two CTAs compute K tiles 2j and 2j + 1 of one (group, N tile) and the rhs row blocks
         are multicast; no group is padded (K must hold an even number of tiles).
     """

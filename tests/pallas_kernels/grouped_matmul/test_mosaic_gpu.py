@@ -216,7 +216,9 @@ def test_clusters_give_the_same_bits(product, cluster):
     both (2 x 2) multicast, under the race detector: the reference's values, and bitwise the
     single-CTA kernel's output (each tile runs the same K steps in the same order wherever it
     is computed). The groups give cluster_m pairs whose second half has no rows of the group,
-    and, at the end of M, one wholly past lhs's rows."""
+    and, at the end of M, one wholly past lhs's rows. The interpreter does not model multicast
+    (each CTA copies its own source): this holds the arrivals, phases and tile mapping; the
+    GPU twin holds the cross-CTA writes."""
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
 
     m, k, n = 300, 128, 256
@@ -599,9 +601,9 @@ def test_gpu_row_bits_do_not_depend_on_where_the_group_starts():
 @pytest.mark.parametrize("product", ["gmm", "dgrad", "scaled_f32", "swiglu"])
 def test_gpu_clusters_give_the_single_cta_bits(product, cluster):
     """Invariant 7 on the hardware at a real size (qwen3 gate_up, M not a multiple of 8, rows
-    past every group): two CTAs a cluster, with the multicast lhs or rhs, give the bits of
-    one CTA a cluster (with cluster_m, pairs whose second half holds no rows of its group, or
-    starts past M, are common)."""
+    past every group): clusters of 2 or 2 x 2 CTAs, with the multicast lhs, rhs or both,
+    give the bits of one CTA a cluster (with cluster_m, pairs whose second half holds no rows
+    of its group, or starts past M, are common)."""
     m, k, n, g = 16381, 2048, 1536, 128
     keys = jax.random.split(jax.random.key(7), 4)
     lhs = jax.random.normal(keys[0], (m, k), jnp.float32).astype(jnp.bfloat16)

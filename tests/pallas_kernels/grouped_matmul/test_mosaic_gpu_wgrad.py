@@ -200,7 +200,9 @@ def test_clusters_of_two_k_tiles_give_the_same_bits(delay_release):
     """Invariant 7 under the race detector: cluster_m = 2 pairs K tiles 2j, 2j + 1 of one
     (group, N tile) on two CTAs, each rhs block multicast into both and masked in each copy;
     the reference's values and bitwise the single-CTA output, with an empty group, groups
-    starting inside an 8-row tile, units of 1 to 3 row blocks, and rows of no group."""
+    starting inside an 8-row tile, units of 1 to 3 row blocks, and rows of no group. The
+    interpreter does not model multicast (each CTA copies its own source): this holds the
+    arrivals, phases and tile mapping; the GPU twin holds the cross-CTA writes."""
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
 
     lhs, rhs = _inputs(6, 203, 256, 256)
