@@ -148,13 +148,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     }
     for name in args.shapes.split(","):
         for scale in scales:
-            base = by_name[name]
-            k = int(base.k * scale)
-            shape = dataclasses.replace(base, k=k) if k != base.k else base
-            if k != base.k:
-                shape = dataclasses.replace(shape, name=f"{name}_k{k}")
+            k = int(by_name[name].k * scale)
+            shape = dataclasses.replace(by_name[name], k=k)
             for record in probe(shape, torch, no_store=args.no_store):
-                record.update(shape=name, label=args.label)
+                record["label"] = args.label
                 report["records"].append(record)
                 print(
                     f"{args.label:10s} {name:18s} K={k:6d} {record['variant']:14s} "

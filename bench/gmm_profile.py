@@ -143,28 +143,24 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     p = gg.make_problem(shape, torch)
     t = p.t
-
-    def torch_call():
-        return torch._grouped_mm(t["x"], t["w"], offs=t["offs"])
-
-    expected = jax.dlpack.from_dlpack(torch_call().contiguous())
-    runs = {"torch._grouped_mm": lambda _out: torch.cuda.synchronize()}
-    calls = {"torch._grouped_mm": torch_call}
+    runners = {
+        "torch._grouped_mm": gg.torch_runner(
+            torch, lambda: torch._grouped_mm(t["x"], t["w"], offs=t["offs"]), on_gpu=True
+        )
+    }
+    expected = runners["torch._grouped_mm"].to_jax(runners["torch._grouped_mm"].call())[0]
     for label in labels:
-        fn = jax.jit(functools.partial(mosaic_gpu.gmm, config=configs[label]))
-        out = fn(p.x, p.w, p.gs)
-        check = gg.compare(out, expected)
+        gmm = functools.partial(mosaic_gpu.gmm, config=configs[label])
+        runners[label] = gg.jax_runner(gmm, p.x, p.w, p.gs)
+        check = gg.compare(runners[label].to_jax(runners[label].call())[0], expected)
         print(f"{label}: {configs[label]}\n  check against torch: {check}", flush=True)
-        calls[label] = functools.partial(fn, p.x, p.w, p.gs)
-        runs[label] = jax.block_until_ready
-    for name, call in calls.items():  # warm-up, outside the profiled range
+    for runner in runners.values():  # warm-up, outside the profiled range
         for _ in range(2):
-            runs[name](call())
-    torch.cuda.synchronize()
+            runner.sync(runner.call())
     if args.sustain_s > 0:
         rows = []
-        for name, call in calls.items():
-            rows.append(sustain(name, call, runs[name], args.sustain_s))
+        for name, runner in runners.items():
+            rows.append(sustain(name, runner.call, runner.sync, args.sustain_s))
             rows[-1]["shape"] = shape.name
             print(json.dumps(rows[-1]), flush=True)
             time.sleep(2.0)  # let the device settle between candidates
@@ -172,9 +168,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             args.out.write_text(json.dumps(rows, indent=1))
         return
     torch.cuda.profiler.start()
-    for name, call in calls.items():
+    for name, runner in runners.items():
         print(f"profiled launch: {name}", flush=True)
-        runs[name](call())
+        runner.sync(runner.call())
     torch.cuda.profiler.stop()
 
 

@@ -632,7 +632,7 @@ def _grouped_call(
         # tile's read stays in bounds.
         operands.append(jnp.pad(row_scale_m, (0, out_rows - num_rows + tile_m)))
     grid_size = config.grid_size or tuning.persistent_grid_size()
-    cluster = config.cluster_size
+    cluster_axes = _cluster_axes(config)
     body = functools.partial(
         _kernel,
         config=config,
@@ -646,15 +646,12 @@ def _grouped_call(
     out = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((out_rows, n), out_dtype),
-        grid=(max(1, grid_size // cluster),),
+        grid=(max(1, grid_size // config.cluster_size),),
         grid_names=("sm",),
         **(
-            {}
-            if cluster == 1
-            else {
-                "cluster": tuple(getattr(config, axis) for axis in _cluster_axes(config)),
-                "cluster_names": _cluster_axes(config),
-            }
+            {"cluster": (2,) * len(cluster_axes), "cluster_names": cluster_axes}
+            if cluster_axes
+            else {}
         ),
         num_threads=config.num_consumers + 1,
         thread_name="wg",
