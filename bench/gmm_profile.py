@@ -17,6 +17,10 @@ while a thread reads `nvidia-smi` (SM clock, power, the reasons the clocks are h
 0.1 s: whether a kernel runs slower because the device lowers its clocks under it (power or
 thermal limits differ from one H200 to another). Prints one JSON line a candidate and writes
 them to --out.
+
+--report CSV [CSV ...] (no GPU needed): a markdown table of the readings that matter here, one
+column per profiled grouped GEMM (torch's CUTLASS kernel, then ours in --labels order), from
+the files `ncu --import X.ncu-rep --csv --page details` writes (gmm_profile.sh makes them).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.80")
 
 import argparse
+import csv
 import functools
 import json
 import pathlib
@@ -113,6 +118,73 @@ def sustain(name: str, call: Callable, sync: Callable, seconds: float) -> dict:
     }
 
 
+# (section, metric) of ncu's details page that the report shows, in this order.
+REPORT_METRICS = (
+    ("GPU Speed Of Light Throughput", "Duration"),
+    ("GPU Speed Of Light Throughput", "SM Frequency"),
+    ("GPU Speed Of Light Throughput", "Elapsed Cycles"),
+    ("GPU Speed Of Light Throughput", "Compute (SM) Throughput"),
+    ("GPU Speed Of Light Throughput", "L1/TEX Cache Throughput"),
+    ("GPU Speed Of Light Throughput", "L2 Cache Throughput"),
+    ("GPU Speed Of Light Throughput", "DRAM Throughput"),
+    ("Memory Workload Analysis", "L2 Hit Rate"),
+    ("Compute Workload Analysis", "Executed Ipc Active"),
+    ("Instruction Statistics", "Executed Instructions"),
+    ("Warp State Statistics", "Warp Cycles Per Issued Instruction"),
+    ("Launch Statistics", "Cluster Size"),
+    ("Launch Statistics", "Grid Size"),
+    ("Occupancy", "Max Active Clusters"),
+)
+
+
+def _profiled_kernel(name: str) -> str | None:
+    """ "torch" for torch._grouped_mm's GEMM, "ours" for a Mosaic GPU kernel, None for the rest
+    (XLA's small fusions around our call, torch's argument-preparing kernel)."""
+    if "mosaic_gpu" in name:
+        return "ours"
+    if "cutlass" in name and "prepare" not in name:
+        return "torch"
+    return None
+
+
+def ncu_report(csv_paths: Sequence[pathlib.Path], labels: Sequence[str] = ()) -> str:
+    """Markdown: REPORT_METRICS of each profiled grouped GEMM of each details CSV (one table a
+    file). Our kernels are named by `labels` in launch order (gmm_profile launches torch first,
+    then each label once), else "ours #i"."""
+    lines = []
+    for path in csv_paths:
+        with open(path, newline="") as f:
+            rows = list(csv.DictReader(f))
+        kernels: dict[str, dict[tuple[str, str], str]] = {}
+        ours = 0
+        for row in rows:
+            kind = _profiled_kernel(row.get("Kernel Name", ""))
+            if kind is None:
+                continue
+            key = row["ID"]
+            if key not in kernels:
+                if kind == "ours":
+                    name = labels[ours] if ours < len(labels) else f"ours #{ours}"
+                    ours += 1
+                else:
+                    name = "torch._grouped_mm"
+                kernels[key] = {("", "name"): name}
+            value = f"{row['Metric Value']} {row['Metric Unit']}".strip()
+            kernels[key][(row["Section Name"], row["Metric Name"])] = value
+        if not kernels:
+            raise ValueError(f"{path}: no grouped GEMM launch (torch's or ours) in the file")
+        columns = list(kernels.values())
+        lines.append(f"### {pathlib.Path(path).name}\n")
+        lines.append("| metric | " + " | ".join(c[("", "name")] for c in columns) + " |")
+        lines.append("| --- |" + " --- |" * len(columns))
+        for section, metric in REPORT_METRICS:
+            if any((section, metric) in c for c in columns):
+                cells = [c.get((section, metric), "-") for c in columns]
+                lines.append(f"| {metric} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="mixtral_gate_up", help="a grouped_gemm_h200 shape")
@@ -126,7 +198,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="run each candidate this long under nvidia-smi readings instead of profiling",
     )
     parser.add_argument("--out", type=pathlib.Path, help="--sustain-s: the JSON file to write")
+    parser.add_argument(
+        "--report",
+        type=pathlib.Path,
+        nargs="+",
+        help="ncu details CSVs to summarize as markdown (no GPU needed); --labels names ours",
+    )
     args = parser.parse_args(argv)
+    if args.report:
+        print(ncu_report(args.report, args.labels.split(",")))
+        return
     if jax.default_backend() != "gpu":
         parser.error("the profile needs the GPU: no GPU backend here")
     import torch  # the GPU image has it

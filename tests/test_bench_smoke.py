@@ -553,3 +553,30 @@ def test_gmm_profile_sustain_reports_calls_clocks_and_reasons(monkeypatch):
         55.0,
         4.0,
     ]
+
+
+def test_gmm_profile_report_names_torch_and_our_kernels_and_skips_the_rest(tmp_path):
+    from bench import gmm_profile
+
+    header = "ID,Kernel Name,Section Name,Metric Name,Metric Unit,Metric Value\n"
+    body = [
+        '0,"void at::prepare_grouped_gemm_data<cutlass::x>",GPU Speed Of Light Throughput,'
+        "Duration,us,2.0",
+        '1,"void cutlass::device_kernel<gemm>",GPU Speed Of Light Throughput,Duration,ms,5.24',
+        '1,"void cutlass::device_kernel<gemm>",GPU Speed Of Light Throughput,SM Frequency,Ghz,1.53',
+        "2,input_concatenate_fusion,GPU Speed Of Light Throughput,Duration,us,2.9",
+        "3,anonymous_mosaic_gpu_kernel,GPU Speed Of Light Throughput,Duration,ms,5.23",
+        "4,anonymous_mosaic_gpu_kernel,GPU Speed Of Light Throughput,Duration,ms,5.56",
+        "4,anonymous_mosaic_gpu_kernel,Occupancy,Max Active Clusters,cluster,66",
+    ]
+    path = tmp_path / "ncu.csv"
+    path.write_text(header + "\n".join(body) + "\n")
+    table = gmm_profile.ncu_report([path], ["default", "cluster2"]).splitlines()
+    assert table[2] == "| metric | torch._grouped_mm | default | cluster2 |"
+    assert "| Duration | 5.24 ms | 5.23 ms | 5.56 ms |" in table
+    assert "| SM Frequency | 1.53 Ghz | - | - |" in table
+    assert "| Max Active Clusters | - | - | 66 cluster |" in table
+    assert not any("2.9" in line or "2.0 us" in line for line in table)
+    (tmp_path / "empty.csv").write_text(header + body[3] + "\n")
+    with pytest.raises(ValueError, match="no grouped GEMM launch"):
+        gmm_profile.ncu_report([tmp_path / "empty.csv"])

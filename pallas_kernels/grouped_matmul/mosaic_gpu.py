@@ -631,7 +631,7 @@ def _grouped_call(
         # Scales are read for whole tiles (with cluster_m, a pair's): pad so that the last
         # tile's read stays in bounds.
         operands.append(jnp.pad(row_scale_m, (0, out_rows - num_rows + tile_m)))
-    grid_size = config.grid_size or tuning.persistent_grid_size()
+    grid_size = config.grid_size or tuning.persistent_grid_size(cluster_size=config.cluster_size)
     cluster_axes = _cluster_axes(config)
     body = functools.partial(
         _kernel,

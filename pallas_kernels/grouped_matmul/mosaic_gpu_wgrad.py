@@ -450,7 +450,7 @@ def tgmm(
             else plgpu.InterpretGPUParams()
         )
     else:
-        grid_size = config.grid_size or tuning.persistent_grid_size()
+        grid_size = config.grid_size or tuning.persistent_grid_size(cluster_size=config.cluster_m)
         interpret_params = None
     cluster = config.cluster_m
     kernel = plgpu.kernel(

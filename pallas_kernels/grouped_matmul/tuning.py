@@ -34,11 +34,20 @@ class DeviceInfo:
 
     num_cores: int  # streaming multiprocessors
     smem_bytes: int  # shared memory one block may use
+    # Clusters of each size (CTAs) that can be resident at once, one CTA an SM, where that is
+    # fewer than num_cores // size: a cluster's CTAs must sit in one GPC, and GPCs hold uneven
+    # numbers of SMs. A persistent grid larger than this runs its last clusters as a second
+    # wave (1.8x the time). Measured with Nsight Compute's "Max Active Clusters".
+    # (cluster size, clusters) pairs.
+    resident_clusters: tuple[tuple[int, int], ...] = ()
 
 
 # Device kinds as `jax.Device.device_kind` spells them.
 DEVICES: dict[str, DeviceInfo] = {
-    "NVIDIA H200": DeviceInfo(num_cores=132, smem_bytes=SMEM_BYTES_SM90),
+    # 66 clusters of 2, but 30 of 4 (120 SMs): bench/results/2026-11-30_gmm_profile_h200/.
+    "NVIDIA H200": DeviceInfo(
+        num_cores=132, smem_bytes=SMEM_BYTES_SM90, resident_clusters=((4, 30),)
+    ),
     "NVIDIA H100 80GB HBM3": DeviceInfo(num_cores=132, smem_bytes=SMEM_BYTES_SM90),
     "NVIDIA H100 PCIe": DeviceInfo(num_cores=114, smem_bytes=SMEM_BYTES_SM90),
     "NVIDIA H800": DeviceInfo(num_cores=132, smem_bytes=SMEM_BYTES_SM90),
@@ -63,7 +72,8 @@ class TileConfig:
         its TMA store (None: the consumer's whole tile).
       grid_minor_dim, grid_tile_width: the order of output tiles over the persistent grid: bands
         of `grid_tile_width` tiles along `grid_minor_dim` (for L2 reuse).
-      grid_size: programs of the persistent grid (None: one per streaming multiprocessor).
+      grid_size: programs of the persistent grid (None: one per streaming multiprocessor; with
+        clusters, as many clusters as the device holds at once, `persistent_grid_size`).
       num_consumers: consumer warpgroups (1 or 2); one producer warpgroup issues the TMA loads.
       consumer_dim: the output-tile dimension split between the consumers: "n", each owns
         block_n // num_consumers columns of all block_m rows (wgmma m64 x n consumer_n); "m",
@@ -192,17 +202,22 @@ def resolve_device_kind(device: jax.Device | None = None) -> str:
     return TARGET_DEVICE_KIND
 
 
-def persistent_grid_size(device: jax.Device | None = None) -> int:
-    """Programs of the persistent grid: one per streaming multiprocessor of `device`.
+def persistent_grid_size(device: jax.Device | None = None, *, cluster_size: int = 1) -> int:
+    """Programs of the persistent grid: one per streaming multiprocessor of `device`, or with
+    clusters of `cluster_size` CTAs, as many as can be resident at once (a multiple of it).
 
     A GPU reports its core count; a CPU device (CUDA lowering, GPU interpret mode) reports none,
-    and the count comes from `DEVICES[resolve_device_kind(device)]`.
+    and the count comes from `DEVICES[resolve_device_kind(device)]`, as does the number of
+    resident clusters (`DeviceInfo.resident_clusters`; where the table has none, every SM).
     """
     device = jax.devices()[0] if device is None else device
+    info = DEVICES[resolve_device_kind(device)]
     core_count = getattr(device, "core_count", None) if device.platform == "gpu" else None
-    if isinstance(core_count, int) and core_count > 0:
-        return core_count
-    return DEVICES[resolve_device_kind(device)].num_cores
+    if not (isinstance(core_count, int) and core_count > 0):
+        core_count = info.num_cores
+    resident = dict(info.resident_clusters).get(cluster_size, core_count)
+    clusters = min(core_count // cluster_size, resident)
+    return max(1, clusters) * cluster_size
 
 
 # Measured winners go here (bench/results/*_gmm_tuning_h200.json has the sweep behind them).
