@@ -64,6 +64,15 @@ Invariants (numbered; the tests check each):
      own source into its own stages), so the interpret tests hold the arrivals, phases and
      tile mapping of clusters, and the GPU tests hold the cross-CTA side
      (test_gpu_clusters_give_the_single_cta_bits, test_gpu_release_delay_does_not_change_bits).
+  8. Gathered rows (`lhs_rows_m`): row m of the product is lhs row lhs_rows_m[m], and the
+     kernel runs exactly as on the materialized lhs[lhs_rows_m]: the same tiles, stages and K
+     steps, the producer filling each stage's block_m rows with one 1-row TMA each (all on the
+     stage's `loaded` barrier, block_m + num_rhs arrivals) where it would issue one block_m-row
+     TMA. The rows land through a view of the stage with only the 128-byte swizzle (no 8-row
+     tiling), which for 128-byte rows addresses the same bytes as the tiled view the wgmmas
+     read. So the product is bitwise that of lhs[lhs_rows_m]
+     (test_gathered_rows_give_the_bits_of_the_gathered_lhs; on the GPU, where the swizzle is
+     real, test_gpu_gathered_rows_give_the_bits_of_the_gathered_lhs).
 """
 
 from __future__ import annotations
@@ -175,7 +184,11 @@ def _kernel(
     num_rhs: int,
     has_row_scale: bool,
     swiglu: bool,
+    gather_rows: bool,
+    interpret: bool,
 ):
+    # With gather_rows, row r of the product is lhs row rows_ref[r] (invariant 8).
+    rows_ref, refs = (refs[0], refs[1:]) if gather_rows else (None, refs)
     rhs_refs = refs[:num_rhs]
     scale_ref = refs[num_rhs] if has_row_scale else None
     out_ref = refs[-1]
@@ -260,9 +273,26 @@ def _kernel(
 
         return steps
 
+    lhs_stages = plgpu.SMEM((stages, block_m, block_k), in_dtype, transforms=transforms)
+    if gather_rows and not interpret:
+        # Invariant 8: rows are TMA-loaded one by one through a view of the same bytes without
+        # the 8-row tiling (one row of the tiled view is no TMA destination). 128-byte rows
+        # (block_k * itemsize, checked) make the tiling the identity on the byte layout, and
+        # the 128-byte swizzle follows the shared-memory address, so a row lands where an
+        # 8-row copy would put it. (The GPU interpreter keeps a union's views apart; it takes
+        # one-row slices of the tiled view instead.)
+        lhs_stages = plgpu.RefUnion(
+            lhs_stages,
+            plgpu.SMEM(
+                (stages, block_m, block_k),
+                in_dtype,
+                transforms=(plgpu.SwizzleTransform(_SWIZZLE_BYTES),),
+            ),
+        )
+
     @functools.partial(
         pl.run_scoped,
-        lhs_smem=plgpu.SMEM((stages, block_m, block_k), in_dtype, transforms=transforms),
+        lhs_smem=lhs_stages,
         rhs_smems=[
             plgpu.SMEM((stages, *rhs_block), in_dtype, transforms=transforms)
             for _ in range(num_rhs)
@@ -278,7 +308,9 @@ def _kernel(
             )
             for _ in range(num_consumers)
         ],
-        loaded=plgpu.Barrier(num_arrivals=1 + num_rhs, num_barriers=stages),
+        loaded=plgpu.Barrier(
+            num_arrivals=(block_m if gather_rows else 1) + num_rhs, num_barriers=stages
+        ),
         # With clusters, a stage is refilled (by the CTAs' multicasts) only after the
         # consumers of this CTA and of its partner along each cluster axis released it.
         consumed=(
@@ -294,6 +326,8 @@ def _kernel(
     )
     def _scope(lhs_smem, rhs_smems, epi_smem, loaded, consumed):
         wg = lax.axis_index("wg")
+        if gather_rows:
+            lhs_smem, lhs_row_smem = lhs_smem if not interpret else (lhs_smem, lhs_smem)
 
         # 1. The producer: every K step of every matmul tile of this program, in order, into
         #    the ring of stages (invariants 5, 6). It runs ahead of the consumers by up to
@@ -313,12 +347,23 @@ def _kernel(
                         slot = ring.acquire_stage(consumed, step=step0 + k, stages=stages)
 
                         ks = pl.ds(k * block_k, block_k)
-                        plgpu.copy_gmem_to_smem(
-                            lhs_ref.at[pl.ds(row0, block_m), ks],
-                            lhs_smem.at[slot],
-                            loaded.at[slot],
-                            collective_axes="cluster_n" if multicast_lhs else None,
-                        )
+                        if gather_rows:
+
+                            @pl.loop(0, block_m)
+                            def _load_row(r):
+                                plgpu.copy_gmem_to_smem(
+                                    lhs_ref.at[pl.ds(rows_ref[row0 + r], 1), ks],
+                                    lhs_row_smem.at[slot, pl.ds(r, 1)],
+                                    loaded.at[slot],
+                                )
+
+                        else:
+                            plgpu.copy_gmem_to_smem(
+                                lhs_ref.at[pl.ds(row0, block_m), ks],
+                                lhs_smem.at[slot],
+                                loaded.at[slot],
+                                collective_axes="cluster_n" if multicast_lhs else None,
+                            )
                         ns = pl.ds(ni * block_n, block_n)
                         for rhs_ref, rhs_smem in zip(rhs_refs, rhs_smems, strict=True):
                             src = (
@@ -585,6 +630,24 @@ def _check_config(config: TileConfig, *, k: int, n: int, itemsize: int, out_item
         )
 
 
+def _check_rows(lhs_mk: Array, lhs_rows_m: Array | None, config: TileConfig) -> int:
+    """M, the product's rows: lhs's, or with gathered rows the row table's (validated)."""
+    if lhs_rows_m is None:
+        return lhs_mk.shape[0]
+    if lhs_rows_m.ndim != 1 or lhs_rows_m.dtype != jnp.int32:
+        raise ValueError(f"lhs_rows_m must be int32 [M], got {lhs_rows_m.dtype} {lhs_rows_m.shape}")
+    if lhs_rows_m.shape[0] and lhs_mk.shape[0] == 0:
+        raise ValueError(f"lhs has no rows to gather {lhs_rows_m.shape[0]} rows from")
+    if config.block_k * lhs_mk.dtype.itemsize != _SWIZZLE_BYTES:
+        raise ValueError(
+            f"gathered rows need block_k * itemsize = {_SWIZZLE_BYTES} bytes (one swizzled "
+            f"row a TMA), got block_k={config.block_k} for {lhs_mk.dtype}"
+        )
+    if config.cluster_size != 1:
+        raise ValueError(f"gathered rows run without clusters, got {config}")
+    return lhs_rows_m.shape[0]
+
+
 def _interpret_params(interpret: bool | plgpu.InterpretGPUParams):
     """None (compile for the GPU), or the GPU interpreter's parameters (e.g. detect_races)."""
     if isinstance(interpret, plgpu.InterpretGPUParams):
@@ -599,26 +662,34 @@ def _grouped_call(
     *,
     transpose_rhs: bool,
     row_scale_m: Array | None,
+    lhs_rows_m: Array | None,
     out_dtype,
     config: TileConfig,
     swiglu: bool,
     interpret: bool | plgpu.InterpretGPUParams,
 ) -> Array:
-    num_rows = lhs_mk.shape[0]
+    gather_rows = lhs_rows_m is not None
+    num_rows = lhs_rows_m.shape[0] if gather_rows else lhs_mk.shape[0]
     num_groups = rhs[0].shape[0]
     n = rhs[0].shape[1] if transpose_rhs else rhs[0].shape[2]
     if num_rows == 0 or num_groups == 0 or lhs_mk.shape[1] == 0:
         return jnp.zeros((num_rows, n), out_dtype)
     block_m = config.block_m
+    # With cluster_m = 2 a scheduled row tile is a pair of CTAs' tiles (invariant 7).
+    tile_m = block_m * config.cluster_m
     # A TMA box may not be taller than its tensor: tiny inputs are padded to one tile (lhs and
     # out). TMA between GMEM and 8-row-tiled shared memory views a tensor in whole 8-row tiles:
     # lhs and out have a multiple of 8 rows (lhs padded, a copy avoided when M is a multiple of
-    # 8; out's extra rows are sliced off).
+    # 8; out's extra rows are sliced off). Gathered rows are loaded one by one: lhs stays as
+    # it is, and the row table is padded (with row 0) for the last tile's reads.
     out_rows = pl.cdiv(max(num_rows, block_m), _ROW_ALIGN) * _ROW_ALIGN
-    if out_rows != num_rows:
-        lhs_mk = jnp.pad(lhs_mk, ((0, out_rows - num_rows), (0, 0)))
-    # With cluster_m = 2 a scheduled row tile is a pair of CTAs' tiles (invariant 7).
-    tile_m = block_m * config.cluster_m
+    if gather_rows:
+        rows = jnp.clip(lhs_rows_m.astype(jnp.int32), 0, lhs_mk.shape[0] - 1)
+        gathered = [jnp.pad(rows, (0, out_rows - num_rows + tile_m))]
+    else:
+        gathered = []
+        if out_rows != num_rows:
+            lhs_mk = jnp.pad(lhs_mk, ((0, out_rows - num_rows), (0, 0)))
     group_t, row0_t = tile_schedule(group_sizes_g, num_rows=num_rows, block_m=tile_m)
     starts_x, ends_x = group_bounds(group_sizes_g, num_rows=num_rows)
     # Per row tile: its group, first row and the rows [lo, hi) of it that it stores, one
@@ -626,7 +697,7 @@ def _grouped_call(
     lo_t = jnp.clip(starts_x[group_t] - row0_t, 0, tile_m)
     hi_t = jnp.clip(ends_x[group_t] - row0_t, 0, tile_m)
     schedule_t4 = jnp.stack([group_t, row0_t, lo_t, hi_t], axis=1).astype(jnp.int32)
-    operands = [schedule_t4, lhs_mk, *rhs]
+    operands = [schedule_t4, lhs_mk, *gathered, *rhs]
     if row_scale_m is not None:
         # Scales are read for whole tiles (with cluster_m, a pair's): pad so that the last
         # tile's read stays in bounds.
@@ -642,6 +713,8 @@ def _grouped_call(
         num_rhs=len(rhs),
         has_row_scale=row_scale_m is not None,
         swiglu=swiglu,
+        gather_rows=gather_rows,
+        interpret=_interpret_params(interpret) is not None,
     )
     out = plgpu.kernel(
         body,
@@ -668,14 +741,21 @@ def gmm(
     *,
     transpose_rhs: bool = False,
     row_scale_m: Array | None = None,
+    lhs_rows_m: Array | None = None,
     out_dtype=None,
     config: TileConfig | None = None,
     interpret: bool | plgpu.InterpretGPUParams = False,
 ) -> Array:
     """[M, N]: each row of lhs [M, K] times its group's rhs [G, K, N] (rhs [G, N, K] transposed
     if `transpose_rhs`), optionally times `row_scale_m` (f32 [M]) in f32; rows past
-    sum(group_sizes_g) are 0. bf16/f16 inputs, f32 accumulation, out_dtype lhs's or f32."""
+    sum(group_sizes_g) are 0. bf16/f16 inputs, f32 accumulation, out_dtype lhs's or f32.
+
+    With `lhs_rows_m` (int32 [M]) lhs is [T, K] and row m of the product is lhs row
+    lhs_rows_m[m] (clipped to [0, T)), read straight from lhs one row at a time (invariant 8):
+    `gmm(x, w, sizes, lhs_rows_m=idx)` equals `gmm(x[idx], w, sizes)` bit for bit, without
+    materializing x[idx]. Needs block_k * itemsize = 128 and no clusters."""
     _check_inputs(lhs_mk, (rhs_gkn,), group_sizes_g, ("rhs",))
+    num_rows = lhs_mk.shape[0] if lhs_rows_m is None else lhs_rows_m.shape[0]
     k = lhs_mk.shape[1]
     _, rk, rn = rhs_gkn.shape
     if transpose_rhs:
@@ -688,10 +768,10 @@ def gmm(
     if out_dtype not in (jnp.dtype(lhs_mk.dtype), jnp.dtype(jnp.float32)):
         raise ValueError(f"out_dtype {out_dtype} must be the lhs dtype {lhs_mk.dtype} or float32")
     if row_scale_m is not None and (
-        row_scale_m.shape != (lhs_mk.shape[0],) or row_scale_m.dtype != jnp.float32
+        row_scale_m.shape != (num_rows,) or row_scale_m.dtype != jnp.float32
     ):
         raise ValueError(
-            f"row_scale_m must be float32 [M={lhs_mk.shape[0]}], got {row_scale_m.dtype} "
+            f"row_scale_m must be float32 [M={num_rows}], got {row_scale_m.dtype} "
             f"{row_scale_m.shape}"
         )
     if config is None:
@@ -711,12 +791,14 @@ def gmm(
         out_itemsize=out_dtype.itemsize,
         nr=1,
     )
+    _check_rows(lhs_mk, lhs_rows_m, config)
     return _grouped_call(
         lhs_mk,
         (rhs_gkn,),
         group_sizes_g,
         transpose_rhs=transpose_rhs,
         row_scale_m=row_scale_m,
+        lhs_rows_m=lhs_rows_m,
         out_dtype=out_dtype,
         config=config,
         swiglu=False,
@@ -730,11 +812,13 @@ def gmm_swiglu(
     w_up_gkf: Array,
     group_sizes_g: Array,
     *,
+    lhs_rows_m: Array | None = None,
     config: TileConfig | None = None,
     interpret: bool | plgpu.InterpretGPUParams = False,
 ) -> Array:
     """[M, F] in lhs dtype: silu(lhs @ w_gate[g]) * (lhs @ w_up[g]) per row, both products in
-    one kernel (two accumulators), SwiGLU in f32; rows past sum(group_sizes_g) are 0."""
+    one kernel (two accumulators), SwiGLU in f32; rows past sum(group_sizes_g) are 0. With
+    `lhs_rows_m` (int32 [M]) row m reads lhs row lhs_rows_m[m], as in `gmm`."""
     _check_inputs(lhs_mk, (w_gate_gkf, w_up_gkf), group_sizes_g, ("w_gate", "w_up"))
     k = lhs_mk.shape[1]
     if w_gate_gkf.shape[1] != k:
@@ -756,12 +840,14 @@ def gmm_swiglu(
         out_itemsize=lhs_mk.dtype.itemsize,
         nr=2,
     )
+    _check_rows(lhs_mk, lhs_rows_m, config)
     return _grouped_call(
         lhs_mk,
         (w_gate_gkf, w_up_gkf),
         group_sizes_g,
         transpose_rhs=False,
         row_scale_m=None,
+        lhs_rows_m=lhs_rows_m,
         out_dtype=jnp.dtype(lhs_mk.dtype),
         config=config,
         swiglu=True,
