@@ -27,7 +27,10 @@ from typing import Literal
 import jax.numpy as jnp
 import numpy as np
 
-Implementation = Literal["reference", "xla", "pallas"]
+# "reference": the oracle (one device); "xla": XLA ops, any mesh; "pallas": the Mosaic GPU
+# grouped GEMMs in the experts stage, any mesh; "fused": one device, the rows read straight
+# from the tokens and the routing weights applied inside the kernels (see layer.moe_fused).
+Implementation = Literal["reference", "xla", "pallas", "fused"]
 ScoreFn = Literal["softmax", "sigmoid"]
 # How rows travel between the devices of the `expert` mesh axis (see exchange.py).
 Exchange = Literal["ragged_all_to_all", "ring"]
@@ -183,7 +186,7 @@ class MoEConfig:
         if self.row_tile % 8:
             raise ValueError(f"row_tile={self.row_tile} must be a multiple of 8")
         put("dtype", compute_dtype(self.dtype))
-        if self.implementation == "pallas":
+        if self.implementation in ("pallas", "fused"):
             self._validate_pallas()
 
         top_k, num_experts = self.top_k, self.num_experts
@@ -192,16 +195,18 @@ class MoEConfig:
         self._validate_groups()
 
     def _validate_pallas(self) -> None:
+        """The kernels' limits ('pallas' and 'fused')."""
+        impl = self.implementation
         if self.dtype.name not in ("bfloat16", "float16"):
             raise ValueError(
-                "implementation='pallas' computes in bfloat16 or float16, not "
+                f"implementation={impl!r} computes in bfloat16 or float16, not "
                 f"dtype={self.dtype.name}"
             )
         for name in ("d_model", "d_ff"):
             if getattr(self, name) % 64:
                 raise ValueError(
-                    f"implementation='pallas' needs {name}={getattr(self, name)} to be a multiple "
-                    "of 64 (the kernels' tiles)"
+                    f"implementation={impl!r} needs {name}={getattr(self, name)} to be a "
+                    "multiple of 64 (the kernels' tiles)"
                 )
 
     def _validate_groups(self) -> None:

@@ -7,6 +7,8 @@ projection, and the down projection's f32 result goes to the combine unrounded.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -113,3 +115,86 @@ def grouped_swiglu_pallas(
         out_dtype=jnp.float32,
         interpret=interpret,
     )
+
+
+def grouped_swiglu_fused(
+    x_td: Array,
+    w_gate_edf: Array,
+    w_up_edf: Array,
+    w_down_efd: Array,
+    scale_n: Array,
+    group_sizes_e: Array,
+    order_n: Array,
+    inverse_n: Array,
+    top_k: int,
+    dtype: np.dtype,
+    *,
+    interpret: bool = False,
+) -> Array:
+    """Tokens x [T, D] -> f32 [N, D], row p the SwiGLU of token order_n[p] // top_k with its
+    expert's weights, times scale_n[p]: the expert-sorted rows of a plan (N = T * top_k), read
+    straight from the token array.
+
+    `grouped_swiglu_pallas(x_td[order_n // top_k], ..., weights_n=scale_n)` bit for bit, without
+    the permuted copy of the tokens: the gate/up kernel loads each row from x through the
+    plan's order (`lhs_rows_m`), h [N, F] is written once, and the down projection's epilogue
+    multiplies each row by its scale in f32. Differentiable in x, the weights and scale_n; the
+    backward runs the `pallas` kernels on the rows gathered once (a fused backward is to come).
+    `dtype` bfloat16 or float16; D and F multiples of 64.
+
+    Shapes: w_gate, w_up [E, D, F]; w_down [E, F, D]; scale_n f32 [N]; group_sizes_e int32 [E]
+    (the plan's, summing to N); order_n, inverse_n int32 [N] (the plan's permutation).
+    """
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise ValueError(f"dtype={jnp.dtype(dtype).name} must be bfloat16 or float16")
+    weights = tuple(w.astype(dtype) for w in (w_gate_edf, w_up_edf, w_down_efd))
+    plan = (group_sizes_e, order_n, inverse_n)
+    return _fused(
+        (top_k, interpret), x_td.astype(dtype), *weights, scale_n.astype(jnp.float32), *plan
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fused(static, x_td, w_gate, w_up, w_down, scale_n, group_sizes_e, order_n, inverse_n):
+    from pallas_kernels.grouped_matmul import mosaic_gpu
+
+    top_k, interpret = static
+    rows_n = order_n // top_k
+    h_nf = mosaic_gpu.gmm_swiglu(
+        x_td, w_gate, w_up, group_sizes_e, lhs_rows_m=rows_n, interpret=interpret
+    )
+    return mosaic_gpu.gmm(
+        h_nf,
+        w_down,
+        group_sizes_e,
+        row_scale_m=scale_n,
+        out_dtype=jnp.float32,
+        interpret=interpret,
+    )
+
+
+def _fused_fwd(static, *args):
+    return _fused(static, *args), args
+
+
+def _fused_bwd(static, residuals, g_nd):
+    from mok_jax.permute import tokens_to_rows
+
+    top_k, interpret = static
+    x_td, w_gate, w_up, w_down, scale_n, group_sizes_e, order_n, inverse_n = residuals
+
+    # The same values through the unfused kernels (the forward is bitwise theirs, invariant 8
+    # of the grouped-GEMM kernels), differentiated by their custom VJPs: the rows gathered
+    # once, h recomputed, no scatter-add (tokens_to_rows's backward is a gather and a
+    # fixed-order sum over the slots).
+    def unfused(x_td, w_gate, w_up, w_down, scale_n):
+        x_nd = tokens_to_rows(x_td, order_n, inverse_n, top_k)
+        return grouped_swiglu_pallas(
+            x_nd, w_gate, w_up, w_down, group_sizes_e, x_td.dtype, scale_n, interpret=interpret
+        )
+
+    _, vjp = jax.vjp(unfused, x_td, w_gate, w_up, w_down, scale_n)
+    return (*vjp(g_nd), None, None, None)
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)

@@ -2,7 +2,8 @@
 
 The `xla` implementation runs the same stages on one device and on every device of a mesh
 (inside `jax.shard_map`, on that device's tokens and experts), each under `jax.named_scope`
-(`pallas` is the same stages with the Mosaic GPU grouped GEMMs in the experts stage):
+(`pallas` is the same stages with the Mosaic GPU grouped GEMMs in the experts stage; `fused`,
+on one device, merges dispatch and the routing weights into the kernels, see `moe_fused`):
 
   route     logits, scores, top-k experts and weights                 [T, D] -> [T, K]
   plan      stable sort of the N = T*K rows by expert; global counts  [T, K] -> Plan
@@ -32,7 +33,7 @@ from mok_jax.config import MoEConfig
 from mok_jax.mesh import ShardingRules, shard_params, shard_tokens
 from mok_jax.mesh import param_specs as mesh_param_specs
 from mok_jax.params import MoEParams, validate_params
-from mok_jax.permute import rows_to_slots, sum_slots, tokens_to_rows
+from mok_jax.permute import rows_to_slots, sum_slots, take_rows, tokens_to_rows
 from mok_jax.plan import Plan, make_plan
 from mok_jax.reference import moe_reference
 from mok_jax.routed import RoutedSpec, routed_experts
@@ -134,9 +135,17 @@ def _buffer_rows(num_rows: int, cfg: MoEConfig, axes: _Axes) -> int:
 
 
 def _combine(
-    y_nd: Array, x_td: Array, routing: Routing, plan: Plan, params: MoEParams, cfg: MoEConfig
+    y_nd: Array,
+    x_td: Array,
+    routing: Routing,
+    plan: Plan,
+    params: MoEParams,
+    cfg: MoEConfig,
+    *,
+    weighted: bool = False,
 ) -> Array:
-    """y[t] = sum_j w[t, j] * y[t, j] in slot order (f32), plus the shared experts."""
+    """y[t] = sum_j w[t, j] * y[t, j] in slot order (f32), plus the shared experts. `weighted`:
+    y_nd's rows already hold w[t, j] * y[t, j] (0 for dropped rows), summed as they are."""
     with jax.named_scope("combine"):
         num_tokens, top_k = routing.weights_tk.shape
         y_tkd = rows_to_slots(y_nd, plan.order_n, plan.inverse_n).reshape(num_tokens, top_k, -1)
@@ -147,7 +156,10 @@ def _combine(
         # sum over D that must not change order with the number of tokens here.
         def chunk(args):
             y_ckd, weights_ck, keep_ck = args
-            terms_ckd = jnp.where(keep_ck[..., None], weights_ck[..., None] * y_ckd, 0.0)
+            if weighted:
+                terms_ckd = y_ckd
+            else:
+                terms_ckd = jnp.where(keep_ck[..., None], weights_ck[..., None] * y_ckd, 0.0)
             # A fusion boundary: XLA may contract w * y + acc into one FMA in one program and
             # not in another, which changes the last bit; products first, then the sum.
             return sum_slots(lax.optimization_barrier(terms_ckd))
@@ -197,6 +209,52 @@ def moe_xla(x_td: Array, params: MoEParams, cfg: MoEConfig) -> tuple[Array, MoEA
     return _local_moe(x_td, params, cfg, _Axes())
 
 
+def _fused_experts(
+    x_td: Array, routing: Routing, plan: Plan, params: MoEParams, cfg: MoEConfig
+) -> Array:
+    """dispatch + experts + the routing weights: tokens [T, D] -> weighted rows f32 [N, D] in
+    expert order, the rows read straight from the tokens by the gate/up kernel."""
+    from mok_jax.experts import grouped_swiglu_fused
+
+    with jax.named_scope("experts"):
+        weights_n = routing.weights_tk.reshape(-1).astype(jnp.float32)
+        if plan.keep_n is not None:  # a dropped row's weight is 0: it adds nothing, gets 0
+            weights_n = jnp.where(plan.keep_n, weights_n, 0.0)
+        # Pair order -> expert order, a permutation: its gradient is the inverse gather.
+        scale_n = take_rows(weights_n[:, None], plan.order_n, plan.inverse_n)[:, 0]
+        return grouped_swiglu_fused(
+            x_td,
+            params.w_gate,
+            params.w_up,
+            params.w_down,
+            scale_n,
+            plan.group_sizes_e,
+            plan.order_n,
+            plan.inverse_n,
+            cfg.top_k,
+            cfg.dtype,
+            interpret=jax.default_backend() == "cpu",
+        )
+
+
+def moe_fused(x_td: Array, params: MoEParams, cfg: MoEConfig) -> tuple[Array, MoEAux]:
+    """The `fused` implementation on one device, x [T, D] (already validated).
+
+    The stages of `moe_xla`, with dispatch and the routing weights moved into the kernels: the
+    gate/up kernel reads each expert-sorted row straight from x through the plan's order (no
+    permuted copy of the tokens), h is written once, and the down projection's epilogue
+    multiplies each row by its routing weight; combine gathers each token's K weighted rows
+    and sums them in slot order. So y is the `pallas` implementation's, bit for bit.
+    """
+    routed = _route(x_td, params, cfg)
+    routing = routed[0]
+    plan, tokens_per_expert = _plan(routing, cfg, _Axes())
+    y_nd = _fused_experts(x_td, routing, plan, params, cfg)
+    y_td = _combine(y_nd, x_td, routing, plan, params, cfg, weighted=True)
+    rounds = jnp.ones((), jnp.int32)
+    return y_td, _aux(routed, plan, tokens_per_expert, rounds, cfg, _Axes())
+
+
 def _aux_specs() -> MoEAux:
     return MoEAux(*(PartitionSpec() for _ in dataclasses.fields(MoEAux)))
 
@@ -236,9 +294,10 @@ def moe_sharded(
 ) -> tuple[Array, MoEAux]:
     """The `xla` or `pallas` implementation inside `jax.shard_map` over `mesh` (already
     checked)."""
-    if cfg.implementation == "reference":
+    if cfg.implementation in ("reference", "fused"):
         raise ValueError(
-            "implementation='reference' runs on one device; under a mesh use 'xla' or 'pallas'"
+            f"implementation={cfg.implementation!r} runs on one device (for now, for 'fused'); "
+            "under a mesh use 'xla' or 'pallas'"
         )
     axes = _Axes(
         expert=rules.experts,
@@ -264,6 +323,7 @@ _IMPLEMENTATIONS: dict[str, Callable[[Array, MoEParams, MoEConfig], tuple[Array,
     "reference": moe_reference,
     "xla": moe_xla,
     "pallas": moe_xla,
+    "fused": moe_fused,
 }
 
 

@@ -198,7 +198,7 @@ class _Run:
 
 def _mesh(train_cfg: TrainConfig):
     """The run's mesh; None (one device, no mesh) for a one-device run of an implementation
-    that runs only without a mesh ("reference", or "pallas" on one GPU)."""
+    that runs only without a mesh ("reference", "fused", or "pallas" on one GPU)."""
     mesh = make_train_mesh(train_cfg)
     if mesh.size == 1 and train_cfg.implementation != "xla" and jax.process_count() == 1:
         return None

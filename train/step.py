@@ -172,10 +172,10 @@ class Trainer:
             return
         # The layer itself rejects an implementation it cannot run under a mesh when traced;
         # the oracle never can, so say it before compiling anything.
-        if cfg.implementation == "reference":
+        if cfg.implementation in ("reference", "fused"):
             raise ValueError(
-                "implementation='reference' runs on one device without a mesh (--devices 1); "
-                "under a mesh use 'xla'"
+                f"implementation={cfg.implementation!r} runs on one device without a mesh "
+                "(--devices 1); under a mesh use 'xla'"
             )
         ep, devices = mesh.shape["expert"], mesh.size
         experts = self.model_cfg.moe.num_experts

@@ -20,7 +20,7 @@ def test_defaults():
     assert cfg.routed_scaling == 1.0 and cfg.num_groups is None and cfg.topk_groups is None
     assert cfg.num_shared_experts == 0 and cfg.capacity_factor is None
     assert cfg.dtype == jnp.bfloat16 and cfg.implementation == "xla"
-    assert set(IMPLEMENTATIONS) == {"reference", "xla", "pallas"}
+    assert set(IMPLEMENTATIONS) == {"reference", "xla", "pallas", "fused"}
 
 
 def test_frozen_keyword_only_hashable():

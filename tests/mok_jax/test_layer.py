@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from absl.testing import parameterized
 
-from mok_jax import MoEConfig, init_params, moe, presets
+from mok_jax import MoEConfig, init_params, make_mesh, moe, presets
 from tests.mok_jax.cases import (
     SCALED_PRESETS,
     assert_aux_equal,
@@ -248,6 +248,52 @@ class PallasLayerTest(chex.TestCase):
             with_impl(TINY, "pallas", d_ff=96)
 
 
+class FusedLayerTest(chex.TestCase):
+    """implementation="fused" (one device): the rows read straight from the tokens by the
+    gate/up kernel, the routing weights applied in the down kernel's epilogue (GPU interpret
+    mode on a CPU backend), against the reference, values and gradients, and its y against
+    `pallas`'s, bit for bit. Few cases: interpret mode is slow; the GPU twin below runs a real
+    size."""
+
+    def test_matches_reference_and_gives_the_pallas_bits(self):
+        cfg = with_impl(SCALED_PRESETS["qwen3_30b_a3b"], "fused")
+        x, params, cotangent = random_inputs(cfg, 40, seed=3)
+        (_, (y, aux)), grads = value_and_grads(x, params, cotangent, cfg=cfg)
+        reference = with_impl(cfg, "reference")
+        (_, (y_ref, aux_ref)), grads_ref = value_and_grads(x, params, cotangent, cfg=reference)
+        assert_close(y, y_ref, cfg.dtype)
+        assert_aux_equal(aux, aux_ref)
+        assert_close(grads, grads_ref, cfg.dtype)
+        # Gradients differ from pallas's in f32 summation order only (the weight gradients
+        # sum unpadded row blocks, the routing weights' gradient sums over D in one reduction).
+        (_, (y_pallas, _)), _ = value_and_grads(x, params, cotangent, cfg=with_impl(cfg, "pallas"))
+        chex.assert_trees_all_equal(y, y_pallas)
+
+    def test_drops_and_shared_experts_match_reference(self):
+        # Capacity 1.0: rows past an expert's capacity are dropped (their weight is 0 in the
+        # down kernel's epilogue); one shared expert on every token.
+        cfg = with_impl(SCALED_PRESETS["deepseek_v3"], "fused", capacity_factor=1.0)
+        x, params, cotangent = random_inputs(cfg, 40, seed=5)
+        (_, (y, aux)), grads = value_and_grads(x, params, cotangent, cfg=cfg)
+        self.assertGreater(int(aux.dropped), 0)
+        reference = with_impl(cfg, "reference")
+        (_, (y_ref, aux_ref)), grads_ref = value_and_grads(x, params, cotangent, cfg=reference)
+        assert_close(y, y_ref, cfg.dtype)
+        assert_aux_equal(aux, aux_ref)
+        assert_close(grads, grads_ref, cfg.dtype)
+
+    def test_config_and_mesh_reject_what_it_cannot_run(self):
+        with self.assertRaisesRegex(ValueError, "'fused' computes in bfloat16 or float16"):
+            with_impl(TINY, "fused", dtype=jnp.float32)
+        with self.assertRaisesRegex(ValueError, "'fused' needs d_model=96 to be a multiple of 64"):
+            with_impl(TINY, "fused", d_model=96)
+        cfg = with_impl(TINY, "fused")
+        params = init_params(jax.random.key(0), cfg)
+        mesh = make_mesh(devices=jax.devices()[:1])
+        with self.assertRaisesRegex(ValueError, "'fused' runs on one device"):
+            moe(jnp.ones((8, cfg.d_model)), params, cfg, mesh=mesh)
+
+
 def test_compiled_float_scatter_adds_finds_one():
     """The compiled check above can fail: it sees a gather gradient's scatter-add."""
     compiled = (
@@ -369,6 +415,24 @@ def test_gpu_same_bits_in_another_process(name):
         for _ in range(2)
     ]
     assert digests[0] == digests[1]
+
+
+@pytest.mark.gpu
+def test_gpu_fused_real_size_matches_reference_and_gives_the_pallas_bits():
+    cfg, num_tokens = GPU_LAYERS["qwen3_30b_a3b"]
+    cfg = with_impl(cfg, "fused")
+    x, params, cotangent = random_inputs(cfg, num_tokens, seed=11)
+    first = value_and_grads(x, params, cotangent, cfg=cfg)
+    chex.assert_trees_all_equal(first, value_and_grads(x, params, cotangent, cfg=cfg))
+    (_, (y, aux)), grads = first
+    (_, (y_ref, aux_ref)), grads_ref = value_and_grads(
+        x, params, cotangent, cfg=with_impl(cfg, "reference")
+    )
+    assert_close(y, y_ref, cfg.dtype)
+    assert_aux_equal(aux, aux_ref)
+    assert_close(grads, grads_ref, cfg.dtype)
+    (_, (y_pallas, _)), _ = value_and_grads(x, params, cotangent, cfg=with_impl(cfg, "pallas"))
+    chex.assert_trees_all_equal(y, y_pallas)
 
 
 @pytest.mark.gpu

@@ -1,0 +1,169 @@
+"""First measurements of the fused forward's pieces on the GPU (issue 5).
+
+    PYTHONPATH=. python3 -m bench.fused_probe --out FILE [--shapes qwen3,mixtral,dsv3]
+        [--layer qwen3]
+
+At issue 5's layer shapes (one GPU, all experts local, uniform random routing through the
+layer's own plan), after checking the gathered kernel against the plain one bit for bit, times:
+- `gather`: the permuted copy of the tokens the `pallas` implementation makes, x[rows] (XLA);
+- `swiglu`: the gate/up kernel on that copy (`mosaic_gpu.gmm_swiglu`);
+- `swiglu_gathered`: the same kernel reading its rows straight from x (`lhs_rows_m`, one 1-row
+  TMA per row and K step), which replaces both;
+and, with --layer, the whole layer (`mok_jax.moe`, forward, then forward+backward of
+sum(y * cotangent)) with implementation `pallas` against `fused`. Each time is the median of
+grouped_gemm_h200's samples (>= 5 ms of back-to-back calls each) after warm-up.
+
+Writes FILE (one JSON record per measurement) and prints each.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import argparse
+import dataclasses
+import datetime
+import json
+import pathlib
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from bench import grouped_gemm_h200 as gg
+from mok_jax import init_params, moe, presets
+from mok_jax.plan import make_plan
+from pallas_kernels.grouped_matmul import mosaic_gpu
+
+WARMUP, TIMED, TARGET_SAMPLE_S = 2, 10, 0.005
+
+# (preset, tokens T) of issue 5's layer benchmark; E, k, D, F from the preset.
+SHAPES = {
+    "qwen3": ("qwen3_30b_a3b", 16384),
+    "mixtral": ("mixtral_8x7b", 8192),
+    "dsv3": ("deepseek_v3", 4096),
+}
+DSV3_EXPERTS = 32  # issue 5's deepseek-v3 slice
+
+
+def _cfg(name: str):
+    preset, tokens = SHAPES[name]
+    cfg = presets[preset]
+    if name == "dsv3":
+        cfg = dataclasses.replace(cfg, num_experts=DSV3_EXPERTS)
+    return cfg, tokens
+
+
+def _time(fn, *args) -> dict:
+    return gg.time_runner(
+        gg.jax_runner(fn, *args), warmup=WARMUP, timed=TIMED, target_sample_s=TARGET_SAMPLE_S
+    )
+
+
+def kernels(name: str) -> list[dict]:
+    """gather + swiglu against swiglu_gathered at one shape."""
+    cfg, tokens = _cfg(name)
+    d, f, e, k = cfg.d_model, cfg.d_ff, cfg.num_experts, cfg.top_k
+    keys = jax.random.split(jax.random.key(0), 4)
+    x = jax.random.normal(keys[0], (tokens, d), jnp.float32).astype(jnp.bfloat16)
+    w_gate, w_up = (
+        (jax.random.normal(key, (e, d, f), jnp.float32) / 32).astype(jnp.bfloat16)
+        for key in keys[1:3]
+    )
+    experts = jax.random.randint(keys[3], (tokens, k), 0, e, jnp.int32)
+    plan = make_plan(experts, e)
+    rows = plan.order_n // k
+    sizes = plan.group_sizes_e
+
+    def gather(x, rows):
+        return x[rows]
+
+    def swiglu(x_rows):
+        return mosaic_gpu.gmm_swiglu(x_rows, w_gate, w_up, sizes)
+
+    def swiglu_gathered(x, rows):
+        return mosaic_gpu.gmm_swiglu(x, w_gate, w_up, sizes, lhs_rows_m=rows)
+
+    x_rows = jax.jit(gather)(x, rows)
+    same = bool(jnp.array_equal(jax.jit(swiglu)(x_rows), jax.jit(swiglu_gathered)(x, rows)))
+    if not same:
+        raise AssertionError(f"{name}: the gathered kernel's bits differ from the plain one's")
+    flops = 2 * 2 * rows.shape[0] * d * f
+    out = []
+    for label, fn, args in (
+        ("gather", gather, (x, rows)),
+        ("swiglu", swiglu, (x_rows,)),
+        ("swiglu_gathered", swiglu_gathered, (x, rows)),
+    ):
+        timing = _time(fn, *args)
+        record = {"shape": name, "what": label, "median_ms": timing["median_ms"], **timing}
+        if label != "gather":
+            record["tflops"] = flops / (timing["median_ms"] * 1e-3) / 1e12
+        record["bitwise_gathered_equals_plain"] = same
+        out.append(record)
+    return out
+
+
+def layer(name: str) -> list[dict]:
+    """The layer, forward and forward+backward, `pallas` against `fused`."""
+    cfg, tokens = _cfg(name)
+    keys = jax.random.split(jax.random.key(1), 3)
+    x = jax.random.normal(keys[0], (tokens, cfg.d_model), jnp.float32).astype(jnp.bfloat16)
+    cotangent = jax.random.normal(keys[1], x.shape, jnp.float32).astype(jnp.bfloat16)
+    out, results = [], {}
+    for impl in ("pallas", "fused"):
+        c = dataclasses.replace(cfg, implementation=impl)
+        params = init_params(keys[2], c)
+
+        def forward(x, params, c=c):
+            return moe(x, params, c)[0]
+
+        def loss(x, params, c=c):
+            y, aux = moe(x, params, c)
+            return jnp.sum(y.astype(jnp.float32) * cotangent) + aux.aux_loss
+
+        def fwd_bwd(x, params, loss=loss):
+            return jax.value_and_grad(loss, argnums=(0, 1))(x, params)
+
+        results[impl] = jax.jit(forward)(x, params)
+        for label, fn in (("forward", forward), ("fwd_bwd", fwd_bwd)):
+            timing = _time(fn, x, params)
+            out.append({"shape": name, "what": f"layer_{label}", "implementation": impl, **timing})
+    same = bool(jnp.array_equal(results["pallas"], results["fused"]))
+    for record in out:
+        record["y_bitwise_fused_equals_pallas"] = same
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=pathlib.Path, required=True)
+    parser.add_argument("--shapes", default="qwen3,mixtral,dsv3", help=f"of {sorted(SHAPES)}")
+    parser.add_argument("--layer", default="", help="shapes to time the whole layer at")
+    args = parser.parse_args(argv)
+    if jax.default_backend() != "gpu":
+        parser.error("the probe times GPU kernels: no GPU backend here")
+    header = {
+        "command": "python3 -m bench.fused_probe " + " ".join(argv or []),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": jax.devices()[0].device_kind,
+        "jax": jax.__version__,
+    }
+    records = []
+    todo = [(kernels, s) for s in args.shapes.split(",") if s]
+    todo += [(layer, s) for s in args.layer.split(",") if s]
+    for fn, shape in todo:
+        for record in fn(shape):
+            record = {**header, **record}
+            record.pop("samples_ms", None)
+            print(json.dumps(record), flush=True)
+            records.append(record)
+            args.out.write_text(json.dumps(records, indent=1))
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv[1:])
