@@ -282,6 +282,19 @@ class FusedLayerTest(chex.TestCase):
         assert_aux_equal(aux, aux_ref)
         assert_close(grads, grads_ref, cfg.dtype)
 
+    def test_no_scatter_add_on_the_forward_and_backward_path(self):
+        # The XLA ops around the kernels (the kernels have no atomics: invariants 2 and 3 of
+        # the grouped-GEMM kernels); on a CPU backend the kernels lower as interpret-mode
+        # callbacks, so this is the lowering for this backend, not for CUDA.
+        cfg = with_impl(SCALED_PRESETS["deepseek_v3"], "fused", capacity_factor=1.0)
+        x, params, cotangent = random_inputs(cfg, 32)
+        lowered = value_and_grads.trace(x, params, cotangent, cfg=cfg).lower()
+        combiners = scatter_combiners(lowered.as_text())
+        self.assertFalse(
+            [c for c in combiners if "add" in c],
+            f"scatter-adds on the forward/backward path: {combiners}",
+        )
+
     def test_config_and_mesh_reject_what_it_cannot_run(self):
         with self.assertRaisesRegex(ValueError, "'fused' computes in bfloat16 or float16"):
             with_impl(TINY, "fused", dtype=jnp.float32)
