@@ -630,10 +630,17 @@ def _check_config(config: TileConfig, *, k: int, n: int, itemsize: int, out_item
         )
 
 
-def _check_rows(lhs_mk: Array, lhs_rows_m: Array | None, config: TileConfig) -> int:
-    """M, the product's rows: lhs's, or with gathered rows the row table's (validated)."""
+def _without_clusters(config: TileConfig, lhs_rows_m: Array | None) -> TileConfig:
+    """A default config for gathered rows, which run without clusters (the table's may not)."""
     if lhs_rows_m is None:
-        return lhs_mk.shape[0]
+        return config
+    return dataclasses.replace(config, cluster_m=1, cluster_n=1)
+
+
+def _check_rows(lhs_mk: Array, lhs_rows_m: Array | None, config: TileConfig) -> None:
+    """Validates gathered rows (`lhs_rows_m`) against lhs and the tiles."""
+    if lhs_rows_m is None:
+        return
     if lhs_rows_m.ndim != 1 or lhs_rows_m.dtype != jnp.int32:
         raise ValueError(f"lhs_rows_m must be int32 [M], got {lhs_rows_m.dtype} {lhs_rows_m.shape}")
     if lhs_rows_m.shape[0] and lhs_mk.shape[0] == 0:
@@ -645,7 +652,6 @@ def _check_rows(lhs_mk: Array, lhs_rows_m: Array | None, config: TileConfig) -> 
         )
     if config.cluster_size != 1:
         raise ValueError(f"gathered rows run without clusters, got {config}")
-    return lhs_rows_m.shape[0]
 
 
 def _interpret_params(interpret: bool | plgpu.InterpretGPUParams):
@@ -783,6 +789,7 @@ def gmm(
             num_rhs=1,
             interpret=interpret,
         )
+        config = _without_clusters(config, lhs_rows_m)
     _check_config(
         config,
         k=k,
@@ -832,6 +839,7 @@ def gmm_swiglu(
             num_rhs=2,
             interpret=interpret,
         )
+        config = _without_clusters(config, lhs_rows_m)
     _check_config(
         config,
         k=k,
