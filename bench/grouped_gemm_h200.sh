@@ -8,7 +8,9 @@
 # run to end 540 s after this wrapper started (--budget-s; the install and imports count), skips
 # and records what does not fit, rewrites the results after every candidate, and its watchdog
 # writes them and exits at 585 s if the run is still going (the device call's limit is 600 s).
+# BENCH_MODULE runs another benchmark of the same shape the same way (bench/moe_layer_h200.sh).
 set -uo pipefail
+module="${BENCH_MODULE:-grouped_gemm_h200}"
 started_at="$(date +%s.%N)"
 out="${OUT:-bench-out}"
 mkdir -p "$out"
@@ -28,8 +30,8 @@ export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
   nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw,memory.used \
     --format=csv
 } 2>&1 | tee "$out/device.txt"
-python3 -m bench.grouped_gemm_h200 --out "$out" --started-at "$started_at" "$@" 2>&1 \
-  | tee "$out/grouped_gemm_h200.log"
+python3 -m "bench.$module" --out "$out" --started-at "$started_at" "$@" 2>&1 \
+  | tee "$out/$module.log"
 rc=${PIPESTATUS[0]}
 nvidia-smi --query-gpu=clocks.sm,temperature.gpu,power.draw --format=csv 2>&1 >>"$out/device.txt"
 exit "$rc"

@@ -580,3 +580,71 @@ def test_gmm_profile_report_names_torch_and_our_kernels_and_skips_the_rest(tmp_p
     (tmp_path / "empty.csv").write_text(header + body[3] + "\n")
     with pytest.raises(ValueError, match="no grouped GEMM launch"):
         gmm_profile.ncu_report([tmp_path / "empty.csv"])
+
+
+def test_moe_layer_plan_lists_every_shape_and_candidate_by_tier():
+    from bench import moe_layer_h200 as layer
+
+    plan = layer.main(["--plan"])
+    steps = {(s["shape"], s["product"], s["name"]): s for s in plan["steps"]}
+    assert {s["shape"] for s in plan["steps"]} == {s.name for s in layer.SHAPES}
+    assert len(layer.SHAPES) == 4 and layer.SHAPES[-1].routing == "zipf"
+    for shape in layer.SHAPES:
+        assert steps[shape.name, "setup", "reference"]["tier"] == 0
+        for product in layer.PRODUCTS:
+            for key in layer.CANDIDATES:
+                step = steps[shape.name, product, layer.TITLES[key]]
+                assert step["family"] == key
+                assert step["tier"] == (layer.PRODUCTS.index(product) + 1 if key == "xla" else 0)
+    assert len(plan["steps"]) == 4 * (2 + 2 * 6)
+    # The xla layer: never calibrated, estimated from DESIGN.md's per-call times.
+    xla = steps["dsv3_slice", "fwd_bwd", layer.TITLES["xla"]]["static_s"]
+    assert xla == pytest.approx(layer.XLA_COMPILE_S + layer.XLA_CALLS * 0.743 + 0.3)
+    assert plan["plan"]["tiers"]["2"]["what"] == "mok_jax xla forward+backward"
+
+
+def test_moe_layer_capped_zipf_loads_sum_to_the_rows_and_respect_the_cap():
+    from bench import moe_layer_h200 as layer
+
+    loads = layer.capped_zipf_loads(16384 * 8, 128, 16384, 1.2)
+    assert loads.sum() == pytest.approx(16384 * 8) and loads.max() <= 16384
+    assert list(loads[:2]) == [16384, 16384] and 16384 > loads[2] > loads[3] > loads[-1] > 0
+    ranks = np.arange(3, 129, dtype=np.float64)  # uncapped ranks keep the power law
+    np.testing.assert_allclose(loads[2:] / loads[2], (ranks / 3) ** -1.2)
+
+
+@pytest.mark.slow
+def test_moe_layer_smoke_checks_times_and_marks_gpu_baselines_not_available(tmp_path):
+    import importlib.util
+
+    from bench import moe_layer_h200 as layer
+
+    args = ["--smoke", "--shapes", "smoke_mixtral", "--products", "forward"]
+    results = layer.main([*args, "--out", str(tmp_path)])
+    on_disk = json.loads((tmp_path / "moe_layer_h200.json").read_text())
+    assert [s["shape"]["name"] for s in on_disk["shapes"]] == ["smoke_mixtral"]
+    entry = results["shapes"][0]["products"]["forward"]
+    recs = {c["key"]: c for c in entry["candidates"]}
+    assert list(recs) == ["fused", "tokamax", "torch", "torch_det", "xla"]
+    assert entry["anchor"] == "fused" and recs["fused"]["anchor"]
+    for key in ("fused", "xla"):
+        rec = recs[key]
+        assert rec["status"] == "ok", rec
+        assert rec["check"]["outputs"]["y"]["vs_reference_first_tokens"]["ok"]
+        assert rec["bitwise_repeatable"] == {
+            "runs": 3,
+            "identical": True,
+            "outputs_differing": [],
+            "last_timed_run_identical": True,
+        }
+        assert rec["timing"]["samples"] == 2 and rec["timing"]["median_ms"] > 0
+    assert recs["xla"]["check"]["outputs"]["y"]["vs_fused"]["ok"]
+    assert len(recs["xla"]["paired"]["ratios"]["ratios"]) == 2  # timed in alternation with fused
+    assert recs["xla"]["fused_speedup"] > 0 and "fused_speedup" not in recs["fused"]
+    assert recs["tokamax"]["status"].startswith("not available: needs a CUDA GPU")
+    if importlib.util.find_spec("torch") is None:
+        for key in ("torch", "torch_det"):
+            assert recs[key]["status"].startswith("not available: import torch"), recs[key]
+    text = (tmp_path / "moe_layer_h200.md").read_text()
+    assert "## smoke_mixtral: T=64" in text and "| 2. MaxText recipe + tokamax mosaic |" in text
+    assert "not available" in text and "SMOKE RUN" in text
