@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array, lax
 
+from mok_jax.permute import tokens_to_rows
+
 
 def dot_precision(dtype: np.dtype) -> lax.Precision | None:
     """Full precision for f32 compute (no TF32 on GPU); the default for 16-bit inputs."""
@@ -144,6 +146,15 @@ def grouped_swiglu_fused(
 
     Shapes: w_gate, w_up [E, D, F]; w_down [E, F, D]; scale_n f32 [N]; group_sizes_e int32 [E]
     (the plan's, summing to N); order_n, inverse_n int32 [N] (the plan's permutation).
+
+    Its custom VJP lives here, not in pallas_kernels' ops.py: the backward needs the plan's
+    permutation of tokens into rows (`permute.tokens_to_rows`), which is the layer's.
+
+    Example:
+      plan = make_plan(experts_tk, num_experts)
+      y_nd = grouped_swiglu_fused(x, w_gate, w_up, w_down, weights_n[plan.order_n],
+                                  plan.group_sizes_e, plan.order_n, plan.inverse_n, top_k,
+                                  jnp.bfloat16)
     """
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         raise ValueError(f"dtype={jnp.dtype(dtype).name} must be bfloat16 or float16")
@@ -178,8 +189,6 @@ def _fused_fwd(static, *args):
 
 
 def _fused_bwd(static, residuals, g_nd):
-    from mok_jax.permute import tokens_to_rows
-
     top_k, interpret = static
     x_td, w_gate, w_up, w_down, scale_n, group_sizes_e, order_n, inverse_n = residuals
 

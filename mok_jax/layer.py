@@ -145,7 +145,7 @@ def _combine(
     weighted: bool = False,
 ) -> Array:
     """y[t] = sum_j w[t, j] * y[t, j] in slot order (f32), plus the shared experts. `weighted`:
-    y_nd's rows already hold w[t, j] * y[t, j] (0 for dropped rows), summed as they are."""
+    y_nd's rows already hold w[t, j] * y[t, j], summed as they are; dropped slots add +0."""
     with jax.named_scope("combine"):
         num_tokens, top_k = routing.weights_tk.shape
         y_tkd = rows_to_slots(y_nd, plan.order_n, plan.inverse_n).reshape(num_tokens, top_k, -1)
@@ -156,10 +156,9 @@ def _combine(
         # sum over D that must not change order with the number of tokens here.
         def chunk(args):
             y_ckd, weights_ck, keep_ck = args
-            if weighted:
-                terms_ckd = y_ckd
-            else:
-                terms_ckd = jnp.where(keep_ck[..., None], weights_ck[..., None] * y_ckd, 0.0)
+            # A dropped slot adds +0 (with weighted rows, the kernel's 0 * y may be -0 or NaN).
+            terms_ckd = y_ckd if weighted else weights_ck[..., None] * y_ckd
+            terms_ckd = jnp.where(keep_ck[..., None], terms_ckd, 0.0)
             # A fusion boundary: XLA may contract w * y + acc into one FMA in one program and
             # not in another, which changes the last bit; products first, then the sum.
             return sum_slots(lax.optimization_barrier(terms_ckd))
@@ -246,11 +245,13 @@ def moe_fused(x_td: Array, params: MoEParams, cfg: MoEConfig) -> tuple[Array, Mo
     multiplies each row by its routing weight; combine gathers each token's K weighted rows
     and sums them in slot order. So y is the `pallas` implementation's, bit for bit.
 
-    Status (2026-11-30): correct and tested, not yet fast. On the H200 its gate/up kernel with
-    gathered rows took 12.6 ms at qwen3_30b_a3b (T 16384) against 1.8 ms for `pallas`'s copy
-    and plain kernel (the producer issues one row copy at a time;
-    bench/results/2026-11-30_fused_probe_h200/). The backward runs the `pallas` kernels on the
-    rows gathered once. Use `pallas` for speed until the fused kernels land (issue 5).
+    Status (2026-11-30): correct in the CPU tests (GPU interpret mode) and, for the gate/up
+    kernel, on the H200 at qwen3 size (bitwise the plain kernel's); the layer's GPU test has not
+    completed yet. Not yet fast: the gate/up kernel with gathered rows took 12.6 ms at
+    qwen3_30b_a3b (T 16384) against 1.8 ms for `pallas`'s copy and plain kernel (the producer
+    issues one row copy at a time; bench/results/2026-11-30_fused_probe_h200/). The backward
+    runs the `pallas` kernels on the rows gathered once. Use `pallas` for speed until the fused
+    kernels land (issue 5).
     """
     routed = _route(x_td, params, cfg)
     routing = routed[0]
@@ -397,7 +398,7 @@ def moe(
     Raises:
       ValueError: x is not floating or its last dimension is not D, params do not fit cfg, or
         the mesh cannot run it (no expert axis, E or T not divisible by the device counts,
-        implementation 'reference').
+        implementation 'reference' or 'fused').
 
     Example:
       >>> cfg = mok_jax.presets["tiny"]

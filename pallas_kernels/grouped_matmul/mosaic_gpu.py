@@ -70,7 +70,8 @@ Invariants (numbered; the tests check each):
      stage's `loaded` barrier, block_m + num_rhs arrivals) where it would issue one block_m-row
      TMA. The rows land through a view of the stage with only the 128-byte swizzle (no 8-row
      tiling), which for 128-byte rows addresses the same bytes as the tiled view the wgmmas
-     read. So the product is bitwise that of lhs[lhs_rows_m]
+     read. So the product is bitwise that of lhs[lhs_rows_m] (rows past M, which invariant 4
+     computes and never stores, read lhs row 0 here instead of TMA's zeros)
      (test_gathered_rows_give_the_bits_of_the_gathered_lhs; on the GPU, where the swizzle is
      real, test_gpu_gathered_rows_give_the_bits_of_the_gathered_lhs).
 """
@@ -637,12 +638,19 @@ def _without_clusters(config: TileConfig, lhs_rows_m: Array | None) -> TileConfi
     return dataclasses.replace(config, cluster_m=1, cluster_n=1)
 
 
+def _num_rows(lhs_mk: Array, lhs_rows_m: Array | None) -> int:
+    """M, the product's rows: lhs's, or with gathered rows the row table's (validated)."""
+    if lhs_rows_m is None:
+        return lhs_mk.shape[0]
+    if lhs_rows_m.ndim != 1 or lhs_rows_m.dtype != jnp.int32:
+        raise ValueError(f"lhs_rows_m must be int32 [M], got {lhs_rows_m.dtype} {lhs_rows_m.shape}")
+    return lhs_rows_m.shape[0]
+
+
 def _check_rows(lhs_mk: Array, lhs_rows_m: Array | None, config: TileConfig) -> None:
     """Validates gathered rows (`lhs_rows_m`) against lhs and the tiles."""
     if lhs_rows_m is None:
         return
-    if lhs_rows_m.ndim != 1 or lhs_rows_m.dtype != jnp.int32:
-        raise ValueError(f"lhs_rows_m must be int32 [M], got {lhs_rows_m.dtype} {lhs_rows_m.shape}")
     if lhs_rows_m.shape[0] and lhs_mk.shape[0] == 0:
         raise ValueError(f"lhs has no rows to gather {lhs_rows_m.shape[0]} rows from")
     if config.block_k * lhs_mk.dtype.itemsize != _SWIZZLE_BYTES:
@@ -757,11 +765,12 @@ def gmm(
     sum(group_sizes_g) are 0. bf16/f16 inputs, f32 accumulation, out_dtype lhs's or f32.
 
     With `lhs_rows_m` (int32 [M]) lhs is [T, K] and row m of the product is lhs row
-    lhs_rows_m[m] (clipped to [0, T)), read straight from lhs one row at a time (invariant 8):
+    lhs_rows_m[m], clipped to [0, T) (a negative index reads row 0, not from the end), read
+    straight from lhs one row at a time (invariant 8): for indices in [0, T),
     `gmm(x, w, sizes, lhs_rows_m=idx)` equals `gmm(x[idx], w, sizes)` bit for bit, without
     materializing x[idx]. Needs block_k * itemsize = 128 and no clusters."""
     _check_inputs(lhs_mk, (rhs_gkn,), group_sizes_g, ("rhs",))
-    num_rows = lhs_mk.shape[0] if lhs_rows_m is None else lhs_rows_m.shape[0]
+    num_rows = _num_rows(lhs_mk, lhs_rows_m)
     k = lhs_mk.shape[1]
     _, rk, rn = rhs_gkn.shape
     if transpose_rhs:
@@ -827,6 +836,7 @@ def gmm_swiglu(
     one kernel (two accumulators), SwiGLU in f32; rows past sum(group_sizes_g) are 0. With
     `lhs_rows_m` (int32 [M]) row m reads lhs row lhs_rows_m[m], as in `gmm`."""
     _check_inputs(lhs_mk, (w_gate_gkf, w_up_gkf), group_sizes_g, ("w_gate", "w_up"))
+    _num_rows(lhs_mk, lhs_rows_m)
     k = lhs_mk.shape[1]
     if w_gate_gkf.shape[1] != k:
         raise ValueError(f"lhs K={k} must equal w_gate K (w_gate shape {w_gate_gkf.shape})")

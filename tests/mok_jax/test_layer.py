@@ -264,8 +264,9 @@ class FusedLayerTest(chex.TestCase):
         assert_close(y, y_ref, cfg.dtype)
         assert_aux_equal(aux, aux_ref)
         assert_close(grads, grads_ref, cfg.dtype)
-        # Gradients differ from pallas's in f32 summation order only (the weight gradients
-        # sum unpadded row blocks, the routing weights' gradient sums over D in one reduction).
+        # Gradients differ from pallas's in their f32 roundings (the weight gradients sum
+        # unpadded row blocks, the routing weights' gradient sums over D in one reduction, the
+        # down projection's input gradient scales in the kernel's epilogue, not before it).
         (_, (y_pallas, _)), _ = value_and_grads(x, params, cotangent, cfg=with_impl(cfg, "pallas"))
         chex.assert_trees_all_equal(y, y_pallas)
 
@@ -281,6 +282,18 @@ class FusedLayerTest(chex.TestCase):
         assert_close(y, y_ref, cfg.dtype)
         assert_aux_equal(aux, aux_ref)
         assert_close(grads, grads_ref, cfg.dtype)
+
+    def test_fully_dropped_tokens_give_the_pallas_bits_and_positive_zeros(self):
+        # Capacity 0.25: one row per expert is kept, so most tokens lose every slot (no shared
+        # expert): their y is +0, as in `pallas`, not the -0 of the kernel's 0 * (negative y).
+        cfg = with_impl(TINY, "fused", capacity_factor=0.25)
+        x, params, _ = random_inputs(cfg, 16, seed=2)
+        y, aux = moe(x, params, cfg)
+        y_pallas, _ = moe(x, params, with_impl(cfg, "pallas"))
+        self.assertGreater(int(aux.dropped), 16)
+        bits = np.asarray(y, np.float32).view(np.uint32)
+        np.testing.assert_array_equal(bits, np.asarray(y_pallas, np.float32).view(np.uint32))
+        self.assertFalse(np.any(np.signbit(np.asarray(y, np.float32)) & (np.asarray(y) == 0)))
 
     def test_no_scatter_add_on_the_forward_and_backward_path(self):
         # The XLA ops around the kernels (the kernels have no atomics: invariants 2 and 3 of

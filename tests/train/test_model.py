@@ -155,7 +155,7 @@ def test_model_config_validates(changes, match):
         (dict(warmup_steps=20), "warmup_steps=20 must be < schedule_steps=20"),
         (dict(batch_size=0), "batch_size=0 must be >= 1"),
         (dict(eval_fraction=0.0), "must be > 0"),
-        (dict(implementation="fused"), "implementation='fused'"),
+        (dict(implementation="bogus"), "implementation='bogus'"),
         (dict(data_parallel=2), "needs layout='data_expert'"),
         (dict(peak_lr=float("nan")), "peak_lr=nan must be finite"),
     ],

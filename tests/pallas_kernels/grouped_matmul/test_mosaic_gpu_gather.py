@@ -83,6 +83,28 @@ def test_gathered_rows_have_no_races(delay_release):
     chex.assert_trees_all_equal(out, expected)
 
 
+@pytest.mark.parametrize("lhs_rows", [1, 300], ids=["one_lhs_row", "many"])
+def test_gathered_rows_of_the_transposed_product_and_of_one_lhs_row(lhs_rows):
+    """dgrad's layout (rhs [G, N, K]) gathers the same way; T = 1: every row is lhs row 0."""
+    x, w_gate, _, rows, sizes, _ = _inputs(lhs_rows, 37, 128, 256, (37,))
+    w_t = jnp.swapaxes(w_gate, 1, 2)
+    run = dict(transpose_rhs=True, config=SMALL, interpret=True)
+    out = mosaic_gpu.gmm(x, w_t, sizes, lhs_rows_m=rows, **run)
+    chex.assert_trees_all_equal(out, mosaic_gpu.gmm(x[rows], w_t, sizes, **run))
+
+
+def test_a_default_config_with_clusters_runs_gathered_rows_without_them(monkeypatch):
+    """The table's config may have clusters, which gathered rows do not take: the default is
+    stripped of them (a caller's config is refused instead, see the bad-input test)."""
+    clustered = dataclasses.replace(SMALL, cluster_n=2)
+    monkeypatch.setitem(tuning.DEFAULT_CONFIGS, ("gmm", tuning.INTERPRET), clustered)
+    x, w_gate, _, rows, sizes, _ = _inputs(*CASES[1])
+    out = mosaic_gpu.gmm(x, w_gate, sizes, lhs_rows_m=rows, interpret=True)
+    chex.assert_trees_all_equal(
+        out, mosaic_gpu.gmm(x[rows], w_gate, sizes, config=SMALL, interpret=True)
+    )
+
+
 def test_out_of_range_rows_are_clipped():
     x, w_gate, _, rows, sizes, _ = _inputs(*CASES[1])
     wild = rows.at[:5].set(jnp.array([-7, -1, 300, 301, 10**6], jnp.int32))
