@@ -444,9 +444,12 @@ def test_gpu_same_bits_in_another_process(name):
 
 
 @pytest.mark.gpu
-def test_gpu_fused_real_size_matches_reference_and_gives_the_pallas_bits():
+@pytest.mark.parametrize("implementation", ["pallas", "fused"])
+def test_gpu_kernels_real_size_match_reference(implementation):
+    """The kernel implementations at qwen3 size: repeatable, close to the reference, and
+    `fused`'s y bitwise `pallas`'s."""
     cfg, num_tokens = GPU_LAYERS["qwen3_30b_a3b"]
-    cfg = with_impl(cfg, "fused")
+    cfg = with_impl(cfg, implementation)
     x, params, cotangent = random_inputs(cfg, num_tokens, seed=11)
     first = value_and_grads(x, params, cotangent, cfg=cfg)
     chex.assert_trees_all_equal(first, value_and_grads(x, params, cotangent, cfg=cfg))
@@ -457,21 +460,6 @@ def test_gpu_fused_real_size_matches_reference_and_gives_the_pallas_bits():
     assert_close(y, y_ref, cfg.dtype)
     assert_aux_equal(aux, aux_ref)
     assert_close(grads, grads_ref, cfg.dtype)
-    (_, (y_pallas, _)), _ = value_and_grads(x, params, cotangent, cfg=with_impl(cfg, "pallas"))
-    chex.assert_trees_all_equal(y, y_pallas)
-
-
-@pytest.mark.gpu
-def test_gpu_pallas_real_size_matches_reference():
-    cfg, num_tokens = GPU_LAYERS["qwen3_30b_a3b"]
-    cfg = with_impl(cfg, "pallas")
-    x, params, cotangent = random_inputs(cfg, num_tokens, seed=11)
-    first = value_and_grads(x, params, cotangent, cfg=cfg)
-    chex.assert_trees_all_equal(first, value_and_grads(x, params, cotangent, cfg=cfg))
-    (_, (y, aux)), grads = first
-    (_, (y_ref, aux_ref)), grads_ref = value_and_grads(
-        x, params, cotangent, cfg=with_impl(cfg, "reference")
-    )
-    assert_close(y, y_ref, cfg.dtype)
-    assert_aux_equal(aux, aux_ref)
-    assert_close(grads, grads_ref, cfg.dtype)
+    if implementation == "fused":
+        (_, (y_pallas, _)), _ = value_and_grads(x, params, cotangent, cfg=with_impl(cfg, "pallas"))
+        chex.assert_trees_all_equal(y, y_pallas)
