@@ -1250,7 +1250,10 @@ def plan_steps(args, torch_mod, *, ceilings: bool) -> list[Step]:
 
 class Planner(Clock):
     """The Clock of the benchmark: admits a step when its estimate plus the estimates of every
-    step of a higher priority (lower tier) still planned fit in the time left."""
+    step of a higher priority (lower tier) still planned fit in the time left. `tiers`: what
+    each tier holds, for the summary (another benchmark's subclass names its own)."""
+
+    tiers: dict[int, str] = TIERS
 
     def __init__(self, budget_s: float, steps: list[Step], *, started_at: float | None = None):
         super().__init__(budget_s, started_at=started_at)
@@ -1343,10 +1346,10 @@ class Planner(Clock):
 
     def summary(self) -> dict:
         by_tier = {}
-        for tier in TIERS:
+        for tier, what in self.tiers.items():
             steps = [s for s in self.steps if s.tier == tier]
             by_tier[str(tier)] = {
-                "what": TIERS[tier],
+                "what": what,
                 "steps": len(steps),
                 "done": sum(s.state == "done" for s in steps),
                 "skipped": sum(s.state == "skipped" for s in steps),
@@ -2192,19 +2195,26 @@ def render_markdown(results: dict) -> str:
 _WRITE_LOCK = threading.Lock()  # the watchdog's thread writes too
 
 
-def write_results(results: dict, out_dir: pathlib.Path) -> None:
-    """grouped_gemm_h200.json and .md in out_dir, each replaced whole (a run killed while
-    writing leaves the previous complete file)."""
+def write_files(out_dir: pathlib.Path, texts: dict[str, str]) -> None:
+    """Each {name: text} into out_dir, replaced whole (a run killed while writing leaves the
+    previous complete file); one writer at a time (the watchdog's thread writes too)."""
     with _WRITE_LOCK:
         out_dir.mkdir(parents=True, exist_ok=True)
-        texts = {
-            "grouped_gemm_h200.json": json.dumps(results, indent=1, default=str),
-            "grouped_gemm_h200.md": render_markdown(results),
-        }
         for name, text in texts.items():
             tmp = out_dir / f".{name}.tmp"
             tmp.write_text(text)
             tmp.replace(out_dir / name)
+
+
+def write_results(results: dict, out_dir: pathlib.Path) -> None:
+    """grouped_gemm_h200.json and .md in out_dir (`write_files`)."""
+    write_files(
+        out_dir,
+        {
+            "grouped_gemm_h200.json": json.dumps(results, indent=1, default=str),
+            "grouped_gemm_h200.md": render_markdown(results),
+        },
+    )
 
 
 def _import_torch(args):

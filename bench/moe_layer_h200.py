@@ -57,7 +57,6 @@ import functools
 import gc
 import json
 import pathlib
-import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -469,7 +468,6 @@ TIERS = {
     0: "targets: inputs, reference subset, fused, pallas, tokamax, torch (both modes)",
     1: "mok_jax xla forward",
     2: "mok_jax xla forward+backward",
-    3: "(none)",
 }
 # Seconds a step takes on the H200: guesses (build + check + 3 runs + warm-up + 10 samples, and
 # for all but fused 10 more fused calls in the pairs), from the 2026-11-30 grouped-GEMM walls
@@ -537,33 +535,14 @@ def plan_steps(args) -> list[gg.Step]:
 
 
 class Planner(gg.Planner):
-    """grouped_gemm_h200's Planner with this benchmark's tiers in its summary; no second pass
-    (what does not fit is skipped at once)."""
+    """grouped_gemm_h200's Planner with this benchmark's tiers; no second pass (what does not
+    fit is skipped at once)."""
+
+    tiers = TIERS
 
     def __init__(self, budget_s: float, steps: list[gg.Step], *, started_at: float | None = None):
         super().__init__(budget_s, steps, started_at=started_at)
         self.defer = False
-
-    def summary(self) -> dict:
-        out = super().summary()
-        for tier, entry in out["tiers"].items():
-            entry["what"] = TIERS[int(tier)]
-        return out
-
-
-def render_plan(planner: Planner) -> str:
-    lines = [f"{'tier':4s} {'est s':>6s}  {'shape':26s} {'product':8s} step"]
-    for s in planner.steps:
-        lines.append(f"{s.tier:4d} {s.static_s:6.1f}  {s.shape:26s} {s.product:8s} {s.name}")
-    summary = planner.summary()
-    for tier, t in summary["tiers"].items():
-        if t["steps"]:
-            lines.append(f"tier {tier} ({t['what']}): {t['steps']} steps, ~{t['planned_s']:.0f} s")
-    lines.append(
-        f"total ~{summary['static_estimate_s']:.0f} s of {planner.budget_s:.0f} s (from the "
-        "device command's start; the table's estimates, before any calibration)"
-    )
-    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -834,6 +813,18 @@ def derive_backward(result: dict) -> None:
     result["backward_derived"] = out
 
 
+def _setup_step(planner: Planner, shape: str, name: str, result: dict) -> gg.Step | None:
+    """The setup step `name` of `shape` if it fits; else the shape is skipped (noted in
+    result) and None."""
+    step = planner.step(shape, "setup", name)
+    skipped = planner.admit(step)
+    if skipped is None:
+        return step
+    planner.skip(shape)
+    result["skipped"] = skipped
+    return None
+
+
 def run_shape(shape: LayerShape, args, planner: Planner, torch_mod, save) -> dict:
     result: dict[str, Any] = {"shape": dataclasses.asdict(shape), "products": {}}
     cfg = shape.config()
@@ -842,11 +833,8 @@ def run_shape(shape: LayerShape, args, planner: Planner, torch_mod, save) -> dic
     }
     result["gemm_flops_forward"] = gemm_flops(cfg, shape.tokens)
     t0 = time.perf_counter()
-    step = planner.step(shape.name, "setup", "inputs")
-    skipped = planner.admit(step)
-    if skipped is not None:
-        planner.skip(shape.name)
-        result["skipped"] = skipped
+    step = _setup_step(planner, shape.name, "inputs", result)
+    if step is None:
         return result
     inp = make_inputs(shape, torch_mod)
     planner.finish(step, time.perf_counter() - t0)
@@ -869,11 +857,8 @@ def run_shape(shape: LayerShape, args, planner: Planner, torch_mod, save) -> dic
         },
     }
     save(result)
-    step = planner.step(shape.name, "setup", "reference")
-    skipped = planner.admit(step)
-    if skipped is not None:
-        planner.skip(shape.name)
-        result["skipped"] = skipped
+    step = _setup_step(planner, shape.name, "reference", result)
+    if step is None:
         return result
     t1 = time.perf_counter()
     ref = reference_subset(inp, args.check_tokens)
@@ -1051,21 +1036,15 @@ def _deviation(design: tuple[float, float], f: dict | None, b: dict | None) -> s
     return f" ({', '.join(parts)})" if parts else ""
 
 
-_WRITE_LOCK = threading.Lock()  # the watchdog's thread writes too
-
-
 def write_results(results: dict, out_dir: pathlib.Path) -> None:
-    """moe_layer_h200.json and .md in out_dir, each replaced whole."""
-    with _WRITE_LOCK:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        texts = {
+    """moe_layer_h200.json and .md in out_dir, each replaced whole (`gg.write_files`)."""
+    gg.write_files(
+        out_dir,
+        {
             f"{RESULTS_NAME}.json": json.dumps(results, indent=1, default=str),
             f"{RESULTS_NAME}.md": render_markdown(results),
-        }
-        for name, text in texts.items():
-            tmp = out_dir / f".{name}.tmp"
-            tmp.write_text(text)
-            tmp.replace(out_dir / name)
+        },
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1147,7 +1126,7 @@ def main(argv: Sequence[str] | None = None, *, started_at: float | None = None) 
     steps = plan_steps(args)
     planner = Planner(args.budget_s, steps, started_at=args.started_at)
     if args.plan:
-        print(render_plan(planner), flush=True)
+        print(gg.render_plan(planner), flush=True)
         return {"plan": planner.summary(), "steps": [dataclasses.asdict(s) for s in steps]}
     torch_mod = gg._import_torch(args)
     env = gg.environment(torch_mod, args)

@@ -29,7 +29,7 @@ import numpy as np
 
 # "reference": the oracle (one device); "xla": XLA ops, any mesh; "pallas": the Mosaic GPU
 # grouped GEMMs in the experts stage, any mesh; "fused": one device, the rows read straight
-# from the tokens and the routing weights applied inside the kernels (see layer.moe_fused).
+# from the tokens and the routing weights applied inside the kernels (see layer._fused_experts).
 Implementation = Literal["reference", "xla", "pallas", "fused"]
 ScoreFn = Literal["softmax", "sigmoid"]
 # How rows travel between the devices of the `expert` mesh axis (see exchange.py).

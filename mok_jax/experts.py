@@ -74,6 +74,12 @@ def dense_swiglu(
     return dense(h_tf, w_down_fd)
 
 
+def _check_kernel_dtype(dtype: np.dtype) -> None:
+    """The Mosaic GPU kernels compute in bfloat16 or float16."""
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise ValueError(f"dtype={jnp.dtype(dtype).name} must be bfloat16 or float16")
+
+
 def grouped_swiglu_pallas(
     x_nd: Array,
     w_gate_edf: Array,
@@ -101,8 +107,7 @@ def grouped_swiglu_pallas(
     # Imported here: the kernels load only when the pallas implementation runs.
     from pallas_kernels.grouped_matmul import ops as grouped_ops
 
-    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        raise ValueError(f"dtype={jnp.dtype(dtype).name} must be bfloat16 or float16")
+    _check_kernel_dtype(dtype)
     x_nd = x_nd.astype(dtype)
     h_nf = grouped_ops.gmm_swiglu(
         x_nd, w_gate_edf.astype(dtype), w_up_edf.astype(dtype), group_sizes_e, interpret=interpret
@@ -156,8 +161,7 @@ def grouped_swiglu_fused(
                                   plan.group_sizes_e, plan.order_n, plan.inverse_n, top_k,
                                   jnp.bfloat16)
     """
-    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        raise ValueError(f"dtype={jnp.dtype(dtype).name} must be bfloat16 or float16")
+    _check_kernel_dtype(dtype)
     weights = tuple(w.astype(dtype) for w in (w_gate_edf, w_up_edf, w_down_efd))
     plan = (group_sizes_e, order_n, inverse_n)
     return _fused(

@@ -3,7 +3,8 @@
 The `xla` implementation runs the same stages on one device and on every device of a mesh
 (inside `jax.shard_map`, on that device's tokens and experts), each under `jax.named_scope`
 (`pallas` is the same stages with the Mosaic GPU grouped GEMMs in the experts stage; `fused`,
-on one device, merges dispatch and the routing weights into the kernels, see `moe_fused`):
+on one device, merges dispatch and the routing weights into the kernels, see
+`_fused_experts`):
 
   route     logits, scores, top-k experts and weights                 [T, D] -> [T, K]
   plan      stable sort of the N = T*K rows by expert; global counts  [T, K] -> Plan
@@ -192,27 +193,47 @@ def _aux(
 
 
 def _local_moe(x_td: Array, params: MoEParams, cfg: MoEConfig, axes: _Axes):
-    """The `xla` stages on one device's tokens x [T, D] and experts."""
+    """The stages on one device's tokens x [T, D] and experts (`fused`: one device only,
+    dispatch and the routing weights inside the experts stage, see `_fused_experts`)."""
     routed = _route(x_td, params, cfg)
     routing = routed[0]
     plan, tokens_per_expert = _plan(routing, cfg, axes)
-    x_nd = _dispatch(x_td, plan, cfg)
-    y_nd, rounds = _experts(x_nd, params, plan, cfg, axes)
-    y_td = _combine(y_nd, x_td, routing, plan, params, cfg)
+    fused = cfg.implementation == "fused"
+    if fused:
+        y_nd, rounds = _fused_experts(x_td, routing, plan, params, cfg), jnp.ones((), jnp.int32)
+    else:
+        x_nd = _dispatch(x_td, plan, cfg)
+        y_nd, rounds = _experts(x_nd, params, plan, cfg, axes)
+    y_td = _combine(y_nd, x_td, routing, plan, params, cfg, weighted=fused)
     return y_td, _aux(routed, plan, tokens_per_expert, rounds, cfg, axes)
 
 
 def moe_xla(x_td: Array, params: MoEParams, cfg: MoEConfig) -> tuple[Array, MoEAux]:
-    """The `xla` and `pallas` implementations on one device, x [T, D] (already validated);
-    they differ only in the kernels of the experts stage."""
+    """The `xla`, `pallas` and `fused` implementations on one device, x [T, D] (already
+    validated); they differ only in the experts stage."""
     return _local_moe(x_td, params, cfg, _Axes())
 
 
 def _fused_experts(
     x_td: Array, routing: Routing, plan: Plan, params: MoEParams, cfg: MoEConfig
 ) -> Array:
-    """dispatch + experts + the routing weights: tokens [T, D] -> weighted rows f32 [N, D] in
-    expert order, the rows read straight from the tokens by the gate/up kernel."""
+    """The `fused` implementation's dispatch + experts + routing weights: tokens [T, D] ->
+    weighted rows f32 [N, D] in expert order.
+
+    The gate/up kernel reads each expert-sorted row straight from x through the plan's order
+    (no permuted copy of the tokens), h is written once, and the down projection's epilogue
+    multiplies each row by its routing weight; combine (weighted=True) gathers each token's K
+    weighted rows and sums them in slot order. So y is the `pallas` implementation's, bit for
+    bit.
+
+    Status (2026-11-30): correct in the CPU tests (GPU interpret mode) and, for the gate/up
+    kernel, on the H200 at qwen3 size (bitwise the plain kernel's); the layer's GPU test has not
+    completed yet. Not yet fast: the gate/up kernel with gathered rows took 12.6 ms at
+    qwen3_30b_a3b (T 16384) against 1.8 ms for `pallas`'s copy and plain kernel (the producer
+    issues one row copy at a time; bench/results/2026-11-30_fused_probe_h200/). The backward
+    runs the `pallas` kernels on the rows gathered once. Use `pallas` for speed until the fused
+    kernels land (issue 5).
+    """
     from mok_jax.experts import grouped_swiglu_fused
 
     with jax.named_scope("experts"):
@@ -234,32 +255,6 @@ def _fused_experts(
             cfg.dtype,
             interpret=jax.default_backend() == "cpu",
         )
-
-
-def moe_fused(x_td: Array, params: MoEParams, cfg: MoEConfig) -> tuple[Array, MoEAux]:
-    """The `fused` implementation on one device, x [T, D] (already validated).
-
-    The stages of `moe_xla`, with dispatch and the routing weights moved into the kernels: the
-    gate/up kernel reads each expert-sorted row straight from x through the plan's order (no
-    permuted copy of the tokens), h is written once, and the down projection's epilogue
-    multiplies each row by its routing weight; combine gathers each token's K weighted rows
-    and sums them in slot order. So y is the `pallas` implementation's, bit for bit.
-
-    Status (2026-11-30): correct in the CPU tests (GPU interpret mode) and, for the gate/up
-    kernel, on the H200 at qwen3 size (bitwise the plain kernel's); the layer's GPU test has not
-    completed yet. Not yet fast: the gate/up kernel with gathered rows took 12.6 ms at
-    qwen3_30b_a3b (T 16384) against 1.8 ms for `pallas`'s copy and plain kernel (the producer
-    issues one row copy at a time; bench/results/2026-11-30_fused_probe_h200/). The backward
-    runs the `pallas` kernels on the rows gathered once. Use `pallas` for speed until the fused
-    kernels land (issue 5).
-    """
-    routed = _route(x_td, params, cfg)
-    routing = routed[0]
-    plan, tokens_per_expert = _plan(routing, cfg, _Axes())
-    y_nd = _fused_experts(x_td, routing, plan, params, cfg)
-    y_td = _combine(y_nd, x_td, routing, plan, params, cfg, weighted=True)
-    rounds = jnp.ones((), jnp.int32)
-    return y_td, _aux(routed, plan, tokens_per_expert, rounds, cfg, _Axes())
 
 
 def _aux_specs() -> MoEAux:
@@ -330,7 +325,7 @@ _IMPLEMENTATIONS: dict[str, Callable[[Array, MoEParams, MoEConfig], tuple[Array,
     "reference": moe_reference,
     "xla": moe_xla,
     "pallas": moe_xla,
-    "fused": moe_fused,
+    "fused": moe_xla,
 }
 
 

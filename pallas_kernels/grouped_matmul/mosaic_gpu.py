@@ -683,7 +683,7 @@ def _grouped_call(
     interpret: bool | plgpu.InterpretGPUParams,
 ) -> Array:
     gather_rows = lhs_rows_m is not None
-    num_rows = lhs_rows_m.shape[0] if gather_rows else lhs_mk.shape[0]
+    num_rows = _num_rows(lhs_mk, lhs_rows_m)
     num_groups = rhs[0].shape[0]
     n = rhs[0].shape[1] if transpose_rhs else rhs[0].shape[2]
     if num_rows == 0 or num_groups == 0 or lhs_mk.shape[1] == 0:
