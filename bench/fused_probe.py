@@ -23,8 +23,10 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
+import functools
 import json
 import pathlib
 from collections.abc import Sequence
@@ -62,8 +64,22 @@ def _time(fn, *args) -> dict:
     )
 
 
-def kernels(name: str) -> list[dict]:
-    """gather + swiglu against swiglu_gathered at one shape."""
+@contextlib.contextmanager
+def _settings(settings: dict):
+    """Sets mosaic_gpu's module settings (kernel-source variants) for the block."""
+    saved = {key: getattr(mosaic_gpu, key) for key in settings}
+    for key, value in settings.items():
+        setattr(mosaic_gpu, key, value)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            setattr(mosaic_gpu, key, value)
+
+
+def kernels(name: str, explore: bool = False) -> list[dict]:
+    """gather + swiglu against swiglu_gathered at one shape (with `explore`, also the variants
+    of the gathered kernel's issue loop and the plain kernel under Lane semantics)."""
     cfg, tokens = _cfg(name)
     d, f, e, k = cfg.d_model, cfg.d_ff, cfg.num_experts, cfg.top_k
     keys = jax.random.split(jax.random.key(0), 4)
@@ -87,18 +103,35 @@ def kernels(name: str) -> list[dict]:
         return mosaic_gpu.gmm_swiglu(x, w_gate, w_up, sizes, lhs_rows_m=rows)
 
     x_rows = jax.jit(gather)(x, rows)
-    same = bool(jnp.array_equal(jax.jit(swiglu)(x_rows), jax.jit(swiglu_gathered)(x, rows)))
+    plain = jax.jit(swiglu)(x_rows)
+    same = bool(jnp.array_equal(plain, jax.jit(swiglu_gathered)(x, rows)))
     if not same:
         raise AssertionError(f"{name}: the gathered kernel's bits differ from the plain one's")
     flops = 2 * 2 * rows.shape[0] * d * f
     out = []
-    for label, fn, args in (
-        ("gather", gather, (x, rows)),
-        ("swiglu", swiglu, (x_rows,)),
-        ("swiglu_gathered", swiglu_gathered, (x, rows)),
-    ):
-        timing = _time(fn, *args)
+    candidates = [
+        ("gather", gather, (x, rows), {}),
+        ("swiglu", swiglu, (x_rows,), {}),
+        ("swiglu_gathered", swiglu_gathered, (x, rows), {}),
+    ]
+    if explore:
+        # Kernel-source variants, each a module setting of mosaic_gpu traced under it.
+        candidates += [
+            (f"swiglu_gathered_unroll{u}", swiglu_gathered, (x, rows), {"_GATHER_UNROLL": u})
+            for u in (4, 8)
+        ]
+        lane = {"_PLAIN_SEMANTICS": mosaic_gpu.plgpu.LoweringSemantics.Lane}
+        candidates.append(("swiglu_lane_semantics", swiglu, (x_rows,), lane))
+    for label, fn, args, settings in candidates:
+        with _settings(settings):
+            fn = jax.jit(lambda *a, fn=fn: fn(*a))
+            if settings:
+                same_here = bool(jnp.array_equal(fn(*args), plain))
+                if not same_here:
+                    raise AssertionError(f"{name} {label}: bits differ from the plain kernel's")
+            timing = _time(fn, *args)
         record = {"shape": name, "what": label, "median_ms": timing["median_ms"], **timing}
+        record["settings"] = {k: str(v) for k, v in settings.items()}
         if label != "gather":
             record["tflops"] = flops / (timing["median_ms"] * 1e-3) / 1e12
         record["bitwise_gathered_equals_plain"] = same
@@ -142,6 +175,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--out", type=pathlib.Path, required=True)
     parser.add_argument("--shapes", default="qwen3,mixtral,dsv3", help=f"of {sorted(SHAPES)}")
     parser.add_argument("--layer", default="", help="shapes to time the whole layer at")
+    parser.add_argument("--explore", action="store_true", help="also time kernel variants")
     args = parser.parse_args(argv)
     if jax.default_backend() != "gpu":
         parser.error("the probe times GPU kernels: no GPU backend here")
@@ -152,7 +186,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         "jax": jax.__version__,
     }
     records = []
-    todo = [(kernels, s) for s in args.shapes.split(",") if s]
+    todo = [
+        (functools.partial(kernels, explore=args.explore), s) for s in args.shapes.split(",") if s
+    ]
     todo += [(layer, s) for s in args.layer.split(",") if s]
     for fn, shape in todo:
         for record in fn(shape):

@@ -169,6 +169,15 @@ def _store_rows(src_smem, dst_gmem, lo, hi, *, granule: int = 1):
         power //= 2
 
 
+_GATHER_WARPS = 4  # the producer warpgroup's warps, each issuing a quarter of a stage's rows
+# Gathered rows are issued per warp (plgpu.warp_map), whose scalar index loads lower only under
+# Lane semantics in jax 0.11.2; the other kernels keep the Warpgroup semantics they were tuned
+# under.
+_GATHER_SEMANTICS = plgpu.LoweringSemantics.Lane
+_PLAIN_SEMANTICS = plgpu.LoweringSemantics.Warpgroup
+_GATHER_UNROLL = 1  # row copies per iteration of a warp's issue loop
+
+
 def _cluster_axes(config: TileConfig) -> tuple[str, ...]:
     """The kernel's cluster axes: "cluster_m" and "cluster_n", those of size 2 (invariant 7)."""
     return tuple(axis for axis in ("cluster_m", "cluster_n") if getattr(config, axis) == 2)
@@ -310,7 +319,8 @@ def _kernel(
             for _ in range(num_consumers)
         ],
         loaded=plgpu.Barrier(
-            num_arrivals=(block_m if gather_rows else 1) + num_rhs, num_barriers=stages
+            num_arrivals=(block_m if gather_rows else 1) + num_rhs,
+            num_barriers=stages,
         ),
         # With clusters, a stage is refilled (by the CTAs' multicasts) only after the
         # consumers of this CTA and of its partner along each cluster axis released it.
@@ -349,14 +359,18 @@ def _kernel(
 
                         ks = pl.ds(k * block_k, block_k)
                         if gather_rows:
+                            rows_per_warp = block_m // _GATHER_WARPS
 
-                            @pl.loop(0, block_m)
-                            def _load_row(r):
-                                plgpu.copy_gmem_to_smem(
-                                    lhs_ref.at[pl.ds(rows_ref[row0 + r], 1), ks],
-                                    lhs_row_smem.at[slot, pl.ds(r, 1)],
-                                    loaded.at[slot],
-                                )
+                            @plgpu.warp_map
+                            def _load_rows(warp):
+                                @pl.loop(0, rows_per_warp, unroll=_GATHER_UNROLL)
+                                def _load_row(i):
+                                    r = warp * rows_per_warp + i
+                                    plgpu.copy_gmem_to_smem(
+                                        lhs_ref.at[pl.ds(rows_ref[row0 + r], 1), ks],
+                                        lhs_row_smem.at[slot, pl.ds(r, 1)],
+                                        loaded.at[slot],
+                                    )
 
                         else:
                             plgpu.copy_gmem_to_smem(
@@ -742,7 +756,9 @@ def _grouped_call(
         ),
         num_threads=config.num_consumers + 1,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=_GATHER_SEMANTICS if gather_rows else _PLAIN_SEMANTICS
+        ),
         interpret=_interpret_params(interpret),
     )(*operands)
     return out[:num_rows] if out_rows != num_rows else out
