@@ -29,7 +29,9 @@ import datetime
 import functools
 import json
 import pathlib
-from collections.abc import Sequence
+import sys
+import time
+from collections.abc import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -64,6 +66,10 @@ def _time(fn, *args) -> dict:
     )
 
 
+def _progress(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
 @contextlib.contextmanager
 def _settings(settings: dict):
     """Sets mosaic_gpu's module settings (kernel-source variants) for the block."""
@@ -77,7 +83,7 @@ def _settings(settings: dict):
             setattr(mosaic_gpu, key, value)
 
 
-def kernels(name: str, explore: bool = False) -> list[dict]:
+def kernels(name: str, explore: bool = False) -> Iterator[dict]:
     """gather + swiglu against swiglu_gathered at one shape (with `explore`, also the variants
     of the gathered kernel's issue loop and the plain kernel under Lane semantics)."""
     cfg, tokens = _cfg(name)
@@ -102,13 +108,13 @@ def kernels(name: str, explore: bool = False) -> list[dict]:
     def swiglu_gathered(x, rows):
         return mosaic_gpu.gmm_swiglu(x, w_gate, w_up, sizes, lhs_rows_m=rows)
 
+    _progress(f"{name}: checking the gathered kernel against the plain one")
     x_rows = jax.jit(gather)(x, rows)
     plain = jax.jit(swiglu)(x_rows)
     same = bool(jnp.array_equal(plain, jax.jit(swiglu_gathered)(x, rows)))
     if not same:
         raise AssertionError(f"{name}: the gathered kernel's bits differ from the plain one's")
     flops = 2 * 2 * rows.shape[0] * d * f
-    out = []
     candidates = [
         ("gather", gather, (x, rows), {}),
         ("swiglu", swiglu, (x_rows,), {}),
@@ -123,6 +129,7 @@ def kernels(name: str, explore: bool = False) -> list[dict]:
         lane = {"_PLAIN_SEMANTICS": mosaic_gpu.plgpu.LoweringSemantics.Lane}
         candidates.append(("swiglu_lane_semantics", swiglu, (x_rows,), lane))
     for label, fn, args, settings in candidates:
+        _progress(f"{name} {label}: compiling and timing")
         with _settings(settings):
             fn = jax.jit(lambda *a, fn=fn: fn(*a))
             if settings:
@@ -135,8 +142,7 @@ def kernels(name: str, explore: bool = False) -> list[dict]:
         if label != "gather":
             record["tflops"] = flops / (timing["median_ms"] * 1e-3) / 1e12
         record["bitwise_gathered_equals_plain"] = same
-        out.append(record)
-    return out
+        yield record
 
 
 def layer(name: str) -> list[dict]:
@@ -200,6 +206,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    import sys
-
     main(sys.argv[1:])
