@@ -1,0 +1,230 @@
+"""Where the MoE layer's time goes on the GPU: kernel time per stage, from a JAX profile.
+
+    PYTHONPATH=. python3 -m bench.layer_profile --out DIR [--shapes qwen3,mixtral]
+        [--implementations pallas,fused] [--products forward,fwd_bwd] [--iters 3]
+
+For each shape, implementation and product (the forward, or the forward and backward of
+sum(y * cotangent), as in bench/fused_probe.py), after warm-up, records `iters` calls under
+jax.profiler, reads the device's kernel events back from the trace (jax.profiler.ProfileData)
+and charges each kernel to the layer stage its HLO instruction came from: the named scope
+(route, plan, dispatch, experts, combine, aux) in the instruction's op_name metadata of the
+compiled module. Writes DIR/layer_profile.json and DIR/layer_profile.md: per stage, the kernel
+milliseconds per call and the kernel count per call, the busy span (first kernel start to
+last kernel end) per call, and the top kernels. Runs on a CPU too (the host's XLA thunks stand
+in for kernels), which is what its test does.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import argparse
+import collections
+import dataclasses
+import datetime
+import glob
+import json
+import pathlib
+import re
+import sys
+import tempfile
+import warnings
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from mok_jax import init_params, moe, presets, scale_down
+
+STAGES = ("route", "plan", "dispatch", "experts", "combine", "aux")
+OTHER = "other"
+# (preset, tokens T) of issue 5's layer benchmark; E, k, D, F from the preset.
+SHAPES = {
+    "qwen3": ("qwen3_30b_a3b", 16384, None),
+    "mixtral": ("mixtral_8x7b", 8192, None),
+    "dsv3": ("deepseek_v3", 4096, 32),
+    "tiny": ("qwen3_30b_a3b", 1024, 8),  # scaled down: the CPU test's shape
+}
+_STAGE = re.compile(r"\b(" + "|".join(STAGES) + r")\b")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*?op_name=\"([^\"]*)\"", re.MULTILINE)
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """One kernel (or, on a CPU, one XLA thunk) of the profiled calls."""
+
+    name: str  # the HLO instruction
+    stage: str
+    total_ns: float
+    count: int
+
+
+def stage_of_instructions(hlo_text: str) -> dict[str, str]:
+    """HLO instruction name -> the layer stage in its op_name (OTHER where none is)."""
+    stages = {}
+    for name, op_name in _INSTRUCTION.findall(hlo_text):
+        # The backward's scopes read transpose(jvp(route)): the stage is a word of the name.
+        found = _STAGE.search(op_name)
+        stages[name] = found.group(1) if found else OTHER
+    return stages
+
+
+def _device_events(xspace_path: str, module: str):
+    """(hlo_op, start_ns, duration_ns) of every event of `module`'s kernels: on the GPU planes
+    if there are any, else the host's XLA thunks."""
+    from jax._src.lib import _profile_data
+
+    profile = _profile_data.ProfileData.from_file(xspace_path)
+    planes = [p for p in profile.planes if p.name.startswith("/device:GPU")]
+    planes = planes or [p for p in profile.planes if p.name.startswith("/host:CPU")]
+    events = []
+    for plane in planes:
+        for line in plane.lines:
+            for event in line.events:
+                with warnings.catch_warnings():  # the bindings' stats type lacks __module__
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    stats = dict(event.stats)
+                if stats.get("hlo_module") == module and "hlo_op" in stats:
+                    events.append((str(stats["hlo_op"]), event.start_ns, event.duration_ns))
+    return events
+
+
+def profile_calls(fn: Callable, args: Sequence, *, iters: int, warmup: int = 2) -> dict:
+    """Profiles `iters` calls of jitted fn(*args): kernels per stage, per call."""
+    jitted = jax.jit(fn)
+    compiled = jitted.lower(*args).compile()
+    hlo_text = compiled.as_text()
+    module = re.search(r"^HloModule ([\w.\-]+)", hlo_text, re.MULTILINE).group(1)
+    stages = stage_of_instructions(hlo_text)
+    for _ in range(warmup):
+        jax.block_until_ready(compiled(*args))
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            for _ in range(iters):
+                jax.block_until_ready(compiled(*args))
+        [path] = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
+        events = _device_events(path, module)
+    if not events:
+        raise RuntimeError(f"no kernel events of module {module} in the profile")
+    totals, counts = collections.Counter(), collections.Counter()
+    for op, _, duration in events:
+        totals[op] += duration
+        counts[op] += 1
+    kernels = sorted(
+        (
+            Kernel(op, stages.get(op, OTHER), totals[op] / iters, counts[op] // iters)
+            for op in totals
+        ),
+        key=lambda k: -k.total_ns,
+    )
+    per_stage = collections.defaultdict(lambda: {"kernel_ms": 0.0, "kernels": 0})
+    for kernel in kernels:
+        per_stage[kernel.stage]["kernel_ms"] += kernel.total_ns / 1e6
+        per_stage[kernel.stage]["kernels"] += kernel.count
+    span_ns = max(s + d for _, s, d in events) - min(s for _, s, _ in events)
+    return {
+        "module": module,
+        "iters": iters,
+        "kernel_ms": sum(k.total_ns for k in kernels) / 1e6,
+        "span_ms": span_ns / iters / 1e6,
+        "kernels_per_call": sum(k.count for k in kernels),
+        "stages": {s: per_stage[s] for s in (*STAGES, OTHER) if s in per_stage},
+        "top": [dataclasses.asdict(k) for k in kernels[:15]],
+    }
+
+
+def _layer(name: str, implementation: str, product: str):
+    preset, tokens, experts = SHAPES[name]
+    cfg = presets[preset]
+    if name == "tiny":
+        cfg = scale_down(cfg)
+    if experts is not None:
+        cfg = dataclasses.replace(cfg, num_experts=experts)
+    cfg = dataclasses.replace(cfg, implementation=implementation)
+    keys = jax.random.split(jax.random.key(1), 3)
+    x = jax.random.normal(keys[0], (tokens, cfg.d_model), jnp.float32).astype(jnp.bfloat16)
+    cotangent = jax.random.normal(keys[1], x.shape, jnp.float32).astype(jnp.bfloat16)
+    params = init_params(keys[2], cfg)
+
+    def forward(x, params):
+        return moe(x, params, cfg)[0]
+
+    def fwd_bwd(x, params):
+        def loss(x, params):
+            y, aux = moe(x, params, cfg)
+            return jnp.sum(y.astype(jnp.float32) * cotangent) + aux.aux_loss
+
+        return jax.value_and_grad(loss, argnums=(0, 1))(x, params)
+
+    return (forward if product == "forward" else fwd_bwd), (x, params)
+
+
+def render(records: Sequence[dict]) -> str:
+    lines = [
+        "| shape | implementation | product | span ms/call | kernel ms/call | kernels/call | "
+        + " | ".join(f"{s} ms (kernels)" for s in (*STAGES, OTHER))
+        + " |",
+        "| --- " * (6 + len(STAGES) + 1) + "|",
+    ]
+    for r in records:
+        cells = []
+        for s in (*STAGES, OTHER):
+            stage = r["stages"].get(s)
+            cells.append(f"{stage['kernel_ms']:.3f} ({stage['kernels']})" if stage else "-")
+        lines.append(
+            f"| {r['shape']} | {r['implementation']} | {r['product']} | {r['span_ms']:.3f} | "
+            f"{r['kernel_ms'] / r['iters']:.3f} | {r['kernels_per_call']} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    lines.append("")
+    for r in records:
+        lines.append(f"Top kernels, {r['shape']} {r['implementation']} {r['product']}:")
+        lines.append("")
+        for k in r["top"][:8]:
+            lines.append(
+                f"- {k['stage']}: `{k['name']}` {k['total_ns'] / 1e6:.3f} ms x{k['count']}"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=pathlib.Path, required=True)
+    parser.add_argument("--shapes", default="qwen3,mixtral", help=f"of {sorted(SHAPES)}")
+    parser.add_argument("--implementations", default="pallas,fused")
+    parser.add_argument("--products", default="forward,fwd_bwd")
+    parser.add_argument("--iters", type=int, default=3)
+    args = parser.parse_args(argv)
+    if args.iters < 1:
+        parser.error(f"--iters must be >= 1, got {args.iters}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    header = {
+        "command": "python3 -m bench.layer_profile " + " ".join(argv or []),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": jax.devices()[0].device_kind,
+        "jax": jax.__version__,
+    }
+    records = []
+    for shape in args.shapes.split(","):
+        for implementation in args.implementations.split(","):
+            for product in args.products.split(","):
+                fn, fn_args = _layer(shape, implementation, product)
+                result = profile_calls(fn, fn_args, iters=args.iters)
+                record = {**header, "shape": shape, "implementation": implementation}
+                record |= {"product": product, **result}
+                records.append(record)
+                brief = ("shape", "implementation", "product", "span_ms", "stages")
+                print(json.dumps({k: record[k] for k in brief}), flush=True)
+                (args.out / "layer_profile.json").write_text(json.dumps(records, indent=1))
+                (args.out / "layer_profile.md").write_text(
+                    f"{header['command']}, {header['date']}, {header['device']}\n\n"
+                    + render(records)
+                )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,34 @@
+"""bench/layer_profile on the CPU: stages read from op_name metadata, kernels charged to them."""
+
+import jax
+import jax.numpy as jnp
+
+from bench import layer_profile
+
+HLO = """HloModule jit_fwd, entry_computation_layout={}
+  %fusion.1 = f32[8]{0} fusion(f32[8]{0} %p), kind=kLoop, metadata={op_name="jit(f)/route/exp"}
+  ROOT %custom-call.2 = f32[8]{0} custom-call(%a), metadata={op_name="jit(f)/transpose(jvp(combine))/mul"}
+  %copy.3 = f32[8]{0} copy(%b), metadata={op_name="jit(f)/routed_experts/neg"}
+  %add.4 = f32[8]{0} add(%b, %b)
+"""
+
+
+def test_stages_come_from_the_op_names_and_their_transposes():
+    stages = layer_profile.stage_of_instructions(HLO)
+    assert stages == {"fusion.1": "route", "custom-call.2": "combine", "copy.3": "other"}
+
+
+def test_profiled_calls_charge_their_kernels_to_the_named_stages():
+    def fn(x):
+        with jax.named_scope("route"):
+            a = jnp.sin(x) @ x
+        with jax.named_scope("combine"):
+            return jnp.cos(a) @ a
+
+    x = jnp.ones((128, 128), jnp.float32)
+    result = layer_profile.profile_calls(fn, (x,), iters=2)
+    assert result["iters"] == 2
+    assert {"route", "combine"} <= set(result["stages"])
+    assert all(stage["kernels"] >= 1 for stage in result["stages"].values())
+    assert result["kernels_per_call"] == sum(s["kernels"] for s in result["stages"].values())
+    assert result["span_ms"] > 0
