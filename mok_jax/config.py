@@ -34,10 +34,16 @@ Implementation = Literal["reference", "xla", "pallas", "fused"]
 ScoreFn = Literal["softmax", "sigmoid"]
 # How rows travel between the devices of the `expert` mesh axis (see exchange.py).
 Exchange = Literal["ragged_all_to_all", "ring"]
+# How the `fused` implementation's gate/up kernel gets its expert-sorted rows: "copied" (one
+# gather of the tokens into a [N, D] copy, then the kernel on it) or "gathered" (the kernel
+# loads each row from the tokens itself, one 1-row TMA per row and K step: no copy, slower on
+# the H200; see layer._fused_experts).
+FusedRows = Literal["copied", "gathered"]
 
 IMPLEMENTATIONS: tuple[str, ...] = typing.get_args(Implementation)
 SCORE_FNS: tuple[str, ...] = typing.get_args(ScoreFn)
 EXCHANGES: tuple[str, ...] = typing.get_args(Exchange)
+FUSED_ROWS: tuple[str, ...] = typing.get_args(FusedRows)
 
 # Short dtype names a command line or a config file may use, besides numpy's own names.
 _DTYPE_ALIASES = {
@@ -132,6 +138,10 @@ class MoEConfig:
         [row_tile, D] (expert groups are padded to whole tiles), and every token its router and
         shared-expert weights in a dot of [row_tile, D], whatever the device count; this is
         what keeps y and dx the same bits for every expert-parallel degree. A multiple of 8.
+      fused_rows: with implementation 'fused', where the gate/up kernel's rows come from (see
+        `FusedRows`); both give the same bits. "gathered" saves the [T*K, D] copy of the
+        tokens; "copied" is faster on the H200 (2.1 against 2.8 ms at qwen3_30b_a3b's gate/up,
+        bench/results/2026-11-30_fused_probe_h200/).
     """
 
     d_model: int
@@ -152,6 +162,7 @@ class MoEConfig:
     exchange: Exchange = "ragged_all_to_all"
     buffer_factor: float = 2.0
     row_tile: int = 64
+    fused_rows: FusedRows = "copied"
 
     def __post_init__(self) -> None:
         def put(name: str, value: typing.Any) -> None:
@@ -181,6 +192,8 @@ class MoEConfig:
             )
         if self.exchange not in EXCHANGES:
             raise ValueError(f"exchange={self.exchange!r} must be one of {EXCHANGES}")
+        if self.fused_rows not in FUSED_ROWS:
+            raise ValueError(f"fused_rows={self.fused_rows!r} must be one of {FUSED_ROWS}")
         put("buffer_factor", _check_float("buffer_factor", self.buffer_factor, positive=True))
         put("row_tile", check_int("row_tile", self.row_tile, minimum=8))
         if self.row_tile % 8:

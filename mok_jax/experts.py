@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array, lax
 
+from mok_jax.config import FUSED_ROWS
 from mok_jax.permute import tokens_to_rows
 
 
@@ -136,17 +137,19 @@ def grouped_swiglu_fused(
     top_k: int,
     dtype: np.dtype,
     *,
+    rows: str = "copied",
     interpret: bool = False,
 ) -> Array:
     """Tokens x [T, D] -> f32 [N, D], row p the SwiGLU of token order_n[p] // top_k with its
-    expert's weights, times scale_n[p]: the expert-sorted rows of a plan (N = T * top_k), read
-    straight from the token array.
+    expert's weights, times scale_n[p]: the expert-sorted rows of a plan (N = T * top_k).
 
-    `grouped_swiglu_pallas(x_td[order_n // top_k], ..., weights_n=scale_n)` bit for bit, without
-    the permuted copy of the tokens: the gate/up kernel loads each row from x through the
-    plan's order (`lhs_rows_m`), h [N, F] is written once, and the down projection's epilogue
-    multiplies each row by its scale in f32. Differentiable in x, the weights and scale_n; the
-    backward runs the `pallas` kernels on the rows gathered once (a fused backward is to come).
+    `grouped_swiglu_pallas(x_td[order_n // top_k], ..., weights_n=scale_n)` bit for bit: h [N, F]
+    is written once, and the down projection's epilogue multiplies each row by its scale in
+    f32. `rows` (config.FusedRows): "gathered", the gate/up kernel loads each row from x
+    through the plan's order (`lhs_rows_m`), with no permuted copy of the tokens; "copied",
+    it runs on that copy (x[order_n // top_k], one XLA gather), which is faster on the H200.
+    Differentiable in x, the weights and scale_n; the backward runs the `pallas` kernels on the
+    rows gathered once (a fused backward is to come).
     `dtype` bfloat16 or float16; D and F multiples of 64.
 
     Shapes: w_gate, w_up [E, D, F]; w_down [E, F, D]; scale_n f32 [N]; group_sizes_e int32 [E]
@@ -162,10 +165,16 @@ def grouped_swiglu_fused(
                                   jnp.bfloat16)
     """
     _check_kernel_dtype(dtype)
+    if rows not in FUSED_ROWS:
+        raise ValueError(f"rows={rows!r} must be one of {FUSED_ROWS}")
     weights = tuple(w.astype(dtype) for w in (w_gate_edf, w_up_edf, w_down_efd))
     plan = (group_sizes_e, order_n, inverse_n)
     return _fused(
-        (top_k, interpret), x_td.astype(dtype), *weights, scale_n.astype(jnp.float32), *plan
+        (top_k, rows, interpret),
+        x_td.astype(dtype),
+        *weights,
+        scale_n.astype(jnp.float32),
+        *plan,
     )
 
 
@@ -173,11 +182,15 @@ def grouped_swiglu_fused(
 def _fused(static, x_td, w_gate, w_up, w_down, scale_n, group_sizes_e, order_n, inverse_n):
     from pallas_kernels.grouped_matmul import mosaic_gpu
 
-    top_k, interpret = static
+    top_k, rows, interpret = static
     rows_n = order_n // top_k
-    h_nf = mosaic_gpu.gmm_swiglu(
-        x_td, w_gate, w_up, group_sizes_e, lhs_rows_m=rows_n, interpret=interpret
-    )
+    if rows == "gathered":
+        h_nf = mosaic_gpu.gmm_swiglu(
+            x_td, w_gate, w_up, group_sizes_e, lhs_rows_m=rows_n, interpret=interpret
+        )
+    else:
+        x_nd = jnp.take(x_td, rows_n, axis=0)
+        h_nf = mosaic_gpu.gmm_swiglu(x_nd, w_gate, w_up, group_sizes_e, interpret=interpret)
     return mosaic_gpu.gmm(
         h_nf,
         w_down,
@@ -193,7 +206,7 @@ def _fused_fwd(static, *args):
 
 
 def _fused_bwd(static, residuals, g_nd):
-    top_k, interpret = static
+    top_k, _, interpret = static
     x_td, w_gate, w_up, w_down, scale_n, group_sizes_e, order_n, inverse_n = residuals
 
     # The same values through the unfused kernels (the forward is bitwise theirs, invariant 8

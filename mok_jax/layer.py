@@ -220,19 +220,19 @@ def _fused_experts(
     """The `fused` implementation's dispatch + experts + routing weights: tokens [T, D] ->
     weighted rows f32 [N, D] in expert order.
 
-    The gate/up kernel reads each expert-sorted row straight from x through the plan's order
-    (no permuted copy of the tokens), h is written once, and the down projection's epilogue
-    multiplies each row by its routing weight; combine (weighted=True) gathers each token's K
+    The gate/up kernel reads the expert-sorted rows from a copy of the tokens, or with
+    fused_rows="gathered" straight from x through the plan's order; h is written once, and the
+    down projection's epilogue multiplies each row by its routing weight; combine (weighted=True) gathers each token's K
     weighted rows and sums them in slot order. So y is the `pallas` implementation's, bit for
     bit.
 
-    Status (2026-11-30): correct in the CPU tests (GPU interpret mode) and, for the gate/up
-    kernel, on the H200 at qwen3 size (bitwise the plain kernel's); the layer's GPU test has not
-    completed yet. Not yet fast: the gate/up kernel with gathered rows took 12.6 ms at
-    qwen3_30b_a3b (T 16384) against 1.8 ms for `pallas`'s copy and plain kernel (the producer
-    issues one row copy at a time; bench/results/2026-11-30_fused_probe_h200/). The backward
-    runs the `pallas` kernels on the rows gathered once. Use `pallas` for speed until the fused
-    kernels land (issue 5).
+    Status (2026-11-30, bench/results/moe_layer_h200.md): on the H200, y matches the reference
+    and is bitwise repeatable at issue 5's three shapes, the gradients at qwen3_30b_a3b and
+    mixtral (the deepseek-v3 backward did not fit the run). Forward 1.37x
+    `pallas` at qwen3_30b_a3b (6.5 against 8.8 ms), 1.05x at the deepseek-v3 slice, 0.78x
+    at mixtral (measured with fused_rows="gathered", whose per-row TMAs cost more than the
+    copy: 2.84 against 0.41 + 1.71 ms at qwen3's gate/up, hence the "copied" default). The
+    backward runs the `pallas` kernels on the rows gathered once.
     """
     from mok_jax.experts import grouped_swiglu_fused
 
@@ -253,6 +253,7 @@ def _fused_experts(
             plan.inverse_n,
             cfg.top_k,
             cfg.dtype,
+            rows=cfg.fused_rows,
             interpret=jax.default_backend() == "cpu",
         )
 

@@ -7,7 +7,7 @@ from bench import layer_profile
 
 HLO = """HloModule jit_fwd, entry_computation_layout={}
   %fusion.1 = f32[8]{0} fusion(f32[8]{0} %p), kind=kLoop, metadata={op_name="jit(f)/route/exp"}
-  ROOT %custom-call.2 = f32[8]{0} custom-call(%a), metadata={op_name="jit(f)/transpose(jvp(combine))/mul"}
+  ROOT %custom-call.2 = f32[8] custom-call(%a), metadata={op_name="transpose(jvp(combine))/mul"}
   %copy.3 = f32[8]{0} copy(%b), metadata={op_name="jit(f)/routed_experts/neg"}
   %add.4 = f32[8]{0} add(%b, %b)
 """

@@ -269,6 +269,19 @@ class FusedLayerTest(chex.TestCase):
         (_, (y_pallas, _)), _ = value_and_grads(x, params, cotangent, cfg=with_impl(cfg, "pallas"))
         chex.assert_trees_all_equal(y, y_pallas)
 
+    def test_rows_gathered_by_the_kernel_give_the_copied_rows_bits(self):
+        # fused_rows: the gate/up kernel loading its rows from the tokens itself, or running on
+        # their copy, are the same product (invariant 8 of the grouped-GEMM kernels), and the
+        # backward is the same: values and gradients bit for bit.
+        cfg = with_impl(SCALED_PRESETS["qwen3_30b_a3b"], "fused", fused_rows="gathered")
+        self.assertEqual(with_impl(cfg, "fused", fused_rows="copied").fused_rows, "copied")
+        x, params, cotangent = random_inputs(cfg, 24, seed=4)
+        gathered = value_and_grads(x, params, cotangent, cfg=cfg)
+        copied = value_and_grads(
+            x, params, cotangent, cfg=dataclasses.replace(cfg, fused_rows="copied")
+        )
+        chex.assert_trees_all_equal(gathered, copied)
+
     def test_drops_and_shared_experts_match_reference(self):
         # Capacity 1.0: rows past an expert's capacity are dropped (their weight is 0 in the
         # down kernel's epilogue); one shared expert on every token.
@@ -310,6 +323,8 @@ class FusedLayerTest(chex.TestCase):
             with_impl(TINY, "fused", dtype=jnp.float32)
         with self.assertRaisesRegex(ValueError, "'fused' needs d_model=96 to be a multiple of 64"):
             with_impl(TINY, "fused", d_model=96)
+        with self.assertRaisesRegex(ValueError, "fused_rows='both' must be one of"):
+            with_impl(TINY, "fused", fused_rows="both")
         cfg = with_impl(TINY, "fused")
         params = init_params(jax.random.key(0), cfg)
         mesh = make_mesh(devices=jax.devices()[:1])
