@@ -222,9 +222,9 @@ def _fused_experts(
 
     The gate/up kernel reads the expert-sorted rows from a copy of the tokens, or with
     fused_rows="gathered" straight from x through the plan's order; h is written once, and the
-    down projection's epilogue multiplies each row by its routing weight; combine (weighted=True) gathers each token's K
-    weighted rows and sums them in slot order. So y is the `pallas` implementation's, bit for
-    bit.
+    down projection's epilogue multiplies each row by its routing weight; combine
+    (weighted=True) gathers each token's K weighted rows and sums them in slot order. So y is
+    the `pallas` implementation's, bit for bit.
 
     Status (2026-11-30, bench/results/moe_layer_h200.md): on the H200, y matches the reference
     and is bitwise repeatable at issue 5's three shapes, the gradients at qwen3_30b_a3b and

@@ -64,16 +64,16 @@ Invariants (numbered; the tests check each):
      own source into its own stages), so the interpret tests hold the arrivals, phases and
      tile mapping of clusters, and the GPU tests hold the cross-CTA side
      (test_gpu_clusters_give_the_single_cta_bits, test_gpu_release_delay_does_not_change_bits).
-  8. Gathered rows (`lhs_rows_m`): row m of the product is lhs row lhs_rows_m[m], and the
-     kernel runs exactly as on the materialized lhs[lhs_rows_m]: the same tiles, stages and K
-     steps, the producer filling each stage's block_m rows with one 1-row TMA each (all on the
-     stage's `loaded` barrier, block_m + num_rhs arrivals) where it would issue one block_m-row
-     TMA; its 4 warps each issue a quarter of the rows (one issuer made the kernel 8.9x slower
-     than on a copy of the rows at qwen3 size; four, 1.7x: per-row TMAs still cost). The rows land through a view of the stage with only the 128-byte swizzle (no 8-row
-     tiling), which for 128-byte rows addresses the same bytes as the tiled view the wgmmas
-     read. So the product is bitwise that of lhs[lhs_rows_m] (rows past M, which invariant 4
-     computes and never stores, read lhs row 0 here instead of TMA's zeros)
-     (test_gathered_rows_give_the_bits_of_the_gathered_lhs; on the GPU, where the swizzle is
+  8. Gathered rows (`lhs_rows_m`): row m of the product is lhs row lhs_rows_m[m], and the kernel
+     runs exactly as on the materialized lhs[lhs_rows_m]: the same tiles, stages and K steps, the
+     producer filling each stage's block_m rows with one 1-row TMA each (all on the stage's `loaded`
+     barrier, block_m + num_rhs arrivals) where it would issue one block_m-row TMA; its 4 warps each
+     issue a quarter of the rows (one issuer made the kernel 8.9x slower than on a copy of the rows
+     at qwen3 size; four, 1.7x: per-row TMAs still cost). The rows land through a view of the stage
+     with only the 128-byte swizzle (no 8-row tiling), which for 128-byte rows addresses the same
+     bytes as the tiled view the wgmmas read. So the product is bitwise that of lhs[lhs_rows_m]
+     (rows past M, which invariant 4 computes and never stores, read lhs row 0 here instead of TMA's
+     zeros) (test_gathered_rows_give_the_bits_of_the_gathered_lhs; on the GPU, where the swizzle is
      real, test_gpu_gathered_rows_give_the_bits_of_the_gathered_lhs).
 """
 
