@@ -32,3 +32,19 @@ def test_profiled_calls_charge_their_kernels_to_the_named_stages():
     assert all(stage["kernels"] >= 1 for stage in result["stages"].values())
     assert result["kernels_per_call"] == sum(s["kernels"] for s in result["stages"].values())
     assert result["span_ms"] > 0
+
+
+def test_the_table_shows_each_calls_kernel_time_once():
+    record = {
+        "shape": "s",
+        "implementation": "pallas",
+        "product": "forward",
+        "iters": 3,
+        "span_ms": 9.0,
+        "kernel_ms": 6.0,  # per call already
+        "kernels_per_call": 4,
+        "stages": {"route": {"kernel_ms": 1.5, "kernels": 1}},
+        "top": [],
+    }
+    row = layer_profile.render([record]).splitlines()[2]
+    assert row.startswith("| s | pallas | forward | 9.000 | 6.000 | 4 | 1.500 (1) |"), row
