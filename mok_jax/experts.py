@@ -109,19 +109,11 @@ def grouped_swiglu_pallas(
     from pallas_kernels.grouped_matmul import ops as grouped_ops
 
     _check_kernel_dtype(dtype)
-    x_nd = x_nd.astype(dtype)
-    h_nf = grouped_ops.gmm_swiglu(
-        x_nd, w_gate_edf.astype(dtype), w_up_edf.astype(dtype), group_sizes_e, interpret=interpret
-    )
     if weights_n is not None:
         weights_n = weights_n.astype(jnp.float32)
-    return grouped_ops.gmm(
-        h_nf,
-        w_down_efd.astype(dtype),
-        group_sizes_e,
-        row_scale_m=weights_n,
-        out_dtype=jnp.float32,
-        interpret=interpret,
+    weights = (w.astype(dtype) for w in (w_gate_edf, w_up_edf, w_down_efd))
+    return grouped_ops.swiglu_mlp(
+        x_nd.astype(dtype), *weights, group_sizes_e, row_scale_m=weights_n, interpret=interpret
     )
 
 
@@ -206,21 +198,20 @@ def _fused_fwd(static, *args):
 
 
 def _fused_bwd(static, residuals, g_nd):
+    from pallas_kernels.grouped_matmul import ops as grouped_ops
+
     top_k, _, interpret = static
     x_td, w_gate, w_up, w_down, scale_n, group_sizes_e, order_n, inverse_n = residuals
 
-    # The same values through the unfused kernels (the forward is bitwise theirs, invariant 8
-    # of the grouped-GEMM kernels), differentiated by their custom VJPs: the rows gathered
-    # once, h recomputed, no scatter-add (tokens_to_rows's backward is a gather and a
-    # fixed-order sum over the slots).
-    def unfused(x_td, w_gate, w_up, w_down, scale_n):
-        x_nd = tokens_to_rows(x_td, order_n, inverse_n, top_k)
-        return grouped_swiglu_pallas(
-            x_nd, w_gate, w_up, w_down, group_sizes_e, x_td.dtype, scale_n, interpret=interpret
-        )
-
-    _, vjp = jax.vjp(unfused, x_td, w_gate, w_up, w_down, scale_n)
-    return (*vjp(g_nd), None, None, None)
+    # The gradients of the unfused kernels' VJP (ops.swiglu_mlp: gate and up recomputed once,
+    # nothing stored) on the rows gathered once; x's gradient sums each token's rows in slot
+    # order (tokens_to_rows's backward: a gather and a fixed-order sum, no scatter-add).
+    x_nd, rows_vjp = jax.vjp(lambda x: tokens_to_rows(x, order_n, inverse_n, top_k), x_td)
+    d_x_nd, d_w_gate, d_w_up, d_w_down, _, d_scale = grouped_ops.swiglu_mlp_grads(
+        x_nd, w_gate, w_up, w_down, group_sizes_e, scale_n, g_nd, interpret=interpret
+    )
+    (d_x_td,) = rows_vjp(d_x_nd)
+    return d_x_td, d_w_gate, d_w_up, d_w_down, d_scale, None, None, None
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)

@@ -114,6 +114,42 @@ def test_gmm_swiglu_values_and_gradients(case):
     )
 
 
+def _mlp_spec(x, w_gate, w_up, w_down, sizes, scale=None):
+    """The reference expert MLP, h rounded to bf16 as the kernels store it."""
+    h = reference.gmm_swiglu(x, w_gate, w_up, sizes).astype(jnp.bfloat16)
+    y = reference.gmm(h, w_down, sizes)
+    return y if scale is None else y * scale[:, None]
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_swiglu_mlp_values_and_gradients(case, weighted):
+    t = _inputs(*case)
+    args = (t["x"], t["w"], t["w2"], t["w_t"]) + ((t["scale"],) if weighted else ())
+
+    def op(x, a, b, c, *scale):
+        return ops.swiglu_mlp(
+            x, a, b, c, t["sizes"], row_scale_m=scale[0] if scale else None, interpret=True
+        )
+
+    out, vjp = jax.vjp(op, *args)
+    ref_out, ref_vjp = jax.vjp(lambda *a: _mlp_spec(*a[:4], t["sizes"], *a[4:]), *args)
+    # h is rounded to bf16 on both sides; one-ulp flips of it reach every later value.
+    _assert_close(out, ref_out, jnp.bfloat16)
+    _assert_close(vjp(t["cotangent"]), ref_vjp(t["cotangent"]), jnp.bfloat16)
+    # The forward is the two kernels' output, bit for bit.
+    h = ops.gmm_swiglu(t["x"], t["w"], t["w2"], t["sizes"], interpret=True)
+    chained = ops.gmm(
+        h,
+        t["w_t"],
+        t["sizes"],
+        row_scale_m=args[4] if weighted else None,
+        out_dtype=None if weighted else jnp.float32,
+        interpret=True,
+    )
+    chex.assert_trees_all_equal(out, chained)
+
+
 def test_group_sizes_get_no_gradient():
     t = _inputs(*CASES[1])
 
@@ -138,7 +174,8 @@ def test_weighted_gmm_rejects_what_it_cannot_differentiate():
 
 
 @pytest.mark.gpu
-def test_gpu_swiglu_down_backward_is_repeatable_and_close():
+@pytest.mark.parametrize("op", ["chained", "swiglu_mlp"])
+def test_gpu_swiglu_down_backward_is_repeatable_and_close(op):
     m, d, f, g = 8192, 2048, 768, 32
     keys = jax.random.split(jax.random.key(7), 6)
     x = jax.random.normal(keys[0], (m, d), jnp.float32).astype(jnp.bfloat16)
@@ -151,6 +188,8 @@ def test_gpu_swiglu_down_backward_is_repeatable_and_close():
     sizes = jnp.asarray(np.bincount(rng.integers(0, g, m - 50), minlength=g), jnp.int32)
 
     def layer(x, w_gate, w_up, w_down, scale, sizes):
+        if op == "swiglu_mlp":
+            return ops.swiglu_mlp(x, w_gate, w_up, w_down, sizes, row_scale_m=scale)
         h = ops.gmm_swiglu(x, w_gate, w_up, sizes)
         return ops.gmm(h, w_down, sizes, row_scale_m=scale)
 
