@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python3 -m bench.layer_profile --out DIR [--shapes qwen3,mixtral]
         [--implementations pallas,fused] [--products forward,fwd_bwd] [--iters 3]
+        [--no-command-buffers]
 
 For each shape, implementation and product (the forward, or the forward and backward of
 sum(y * cotangent), as in bench/fused_probe.py), after warm-up, records `iters` calls under
@@ -10,8 +11,10 @@ and charges each kernel to the layer stage its HLO instruction came from: the na
 (route, plan, dispatch, experts, combine, aux) in the instruction's op_name metadata of the
 compiled module. Writes DIR/layer_profile.json and DIR/layer_profile.md: per stage, the kernel
 milliseconds per call and the kernel count per call, the busy span (first kernel start to
-last kernel end) per call, and the top kernels. Runs on a CPU too (the host's XLA thunks stand
-in for kernels), which is what its test does.
+last kernel end) per call, and the top kernels. XLA runs most kernels inside command buffers
+(CUDA graphs), one event each with no stage: --no-command-buffers turns them off, so that
+every kernel is named and staged (at the cost of its launch). Runs on a CPU too (the host's
+XLA thunks stand in for kernels), which is what its test does.
 """
 
 from __future__ import annotations
@@ -196,7 +199,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--implementations", default="pallas,fused")
     parser.add_argument("--products", default="forward,fwd_bwd")
     parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument(
+        "--no-command-buffers",
+        action="store_true",
+        help="XLA launches each kernel itself (no CUDA graphs), so each is named and staged",
+    )
     args = parser.parse_args(argv)
+    if args.no_command_buffers:
+        # Read when the backend starts, which is at the first computation below.
+        flags = os.environ.get("XLA_FLAGS", "")
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_gpu_enable_command_buffer=".strip()
     if args.iters < 1:
         parser.error(f"--iters must be >= 1, got {args.iters}")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -205,6 +217,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": jax.devices()[0].device_kind,
         "jax": jax.__version__,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
     records = []
     for shape in args.shapes.split(","):
