@@ -138,6 +138,11 @@ class MoEConfig:
         [row_tile, D] (expert groups are padded to whole tiles), and every token its router and
         shared-expert weights in a dot of [row_tile, D], whatever the device count; this is
         what keeps y and dx the same bits for every expert-parallel degree. A multiple of 8.
+      token_chunk: tokens per step of the token-wise stages (routing, combine, shared experts),
+        which run in fixed-shape chunks of this many tokens (zero-padded, at least two) so that
+        a token's bits do not depend on how many tokens a device holds; None: 8 * row_tile
+        (512). A multiple of 8. Larger chunks take fewer loop steps (each costs launches) and
+        pad more when a device holds few tokens; y changes in its last bits with it.
       fused_rows: with implementation 'fused', where the gate/up kernel's rows come from (see
         `FusedRows`); both give the same bits. "gathered" saves the [T*K, D] copy of the
         tokens; "copied" is faster on the H200 (2.1 against 2.8 ms at qwen3_30b_a3b's gate/up,
@@ -163,6 +168,7 @@ class MoEConfig:
     buffer_factor: float = 2.0
     row_tile: int = 64
     fused_rows: FusedRows = "copied"
+    token_chunk: int | None = None
 
     def __post_init__(self) -> None:
         def put(name: str, value: typing.Any) -> None:
@@ -192,6 +198,10 @@ class MoEConfig:
             )
         if self.exchange not in EXCHANGES:
             raise ValueError(f"exchange={self.exchange!r} must be one of {EXCHANGES}")
+        if self.token_chunk is not None:
+            put("token_chunk", check_int("token_chunk", self.token_chunk, minimum=8))
+            if self.token_chunk % 8:
+                raise ValueError(f"token_chunk={self.token_chunk} must be a multiple of 8")
         if self.fused_rows not in FUSED_ROWS:
             raise ValueError(f"fused_rows={self.fused_rows!r} must be one of {FUSED_ROWS}")
         put("buffer_factor", _check_float("buffer_factor", self.buffer_factor, positive=True))

@@ -47,7 +47,7 @@ from mok_jax.routing import (
     router_z_loss,
     score_shares,
 )
-from mok_jax.tiles import token_swiglu, token_tiled
+from mok_jax.tiles import token_chunk, token_swiglu, token_tiled
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +75,7 @@ def _route(x_td: Array, params: MoEParams, cfg: MoEConfig) -> tuple[Routing, Arr
             lse_c = jax.nn.logsumexp(logits_ce, axis=-1)
             return routing, score_shares(routing.scores_te), lse_c
 
-        return token_tiled(chunk, x_td, cfg.row_tile)
+        return token_tiled(chunk, x_td, token_chunk(cfg.token_chunk, cfg.row_tile))
 
 
 def _plan(routing: Routing, cfg: MoEConfig, axes: _Axes) -> tuple[Plan, Array]:
@@ -164,10 +164,11 @@ def _combine(
             # not in another, which changes the last bit; products first, then the sum.
             return sum_slots(lax.optimization_barrier(terms_ckd))
 
-        y_td = token_tiled(chunk, (y_tkd, routing.weights_tk, keep_tk), cfg.row_tile)
+        tokens = token_chunk(cfg.token_chunk, cfg.row_tile)
+        y_td = token_tiled(chunk, (y_tkd, routing.weights_tk, keep_tk), tokens)
         if cfg.num_shared_experts:
             shared = (params.shared_w_gate, params.shared_w_up, params.shared_w_down)
-            y_td = y_td + token_swiglu(x_td, *shared, cfg.dtype, cfg.row_tile)
+            y_td = y_td + token_swiglu(x_td, *shared, cfg.dtype, tokens)
         return y_td.astype(x_td.dtype)
 
 

@@ -60,11 +60,16 @@ def _dot(a: Array, b: Array, dtype: np.dtype) -> Array:
     )
 
 
-def _token_chunks(num_tokens: int, row_tile: int) -> tuple[int, int]:
-    """(chunk, padded): C = TILES_PER_STEP * row_tile tokens a chunk, T padded to whole chunks.
-    At least two loop steps: XLA inlines a one-step loop, and the inlined body may be fused
-    (FMA-contracted) differently from the loop body, which changes last bits."""
-    chunk = TILES_PER_STEP * row_tile
+def token_chunk(token_chunk: int | None, row_tile: int) -> int:
+    """C, the tokens a chunk of the token-wise stages: MoEConfig.token_chunk, by default
+    TILES_PER_STEP * row_tile."""
+    return token_chunk if token_chunk is not None else TILES_PER_STEP * row_tile
+
+
+def _token_chunks(num_tokens: int, chunk: int) -> tuple[int, int]:
+    """(chunk, padded): C tokens a chunk, T padded to whole chunks. At least two loop steps:
+    XLA inlines a one-step loop, and the inlined body may be fused (FMA-contracted)
+    differently from the loop body, which changes last bits."""
     return chunk, max(_round_up(num_tokens, chunk), MIN_STEPS * chunk)
 
 
@@ -78,22 +83,22 @@ def _from_chunks(a: Array, num_tokens: int) -> Array:
     return a.reshape(-1, *a.shape[2:])[:num_tokens]
 
 
-def token_tiled(fn, xs, row_tile: int):
-    """Applies the token-wise `fn` to chunks of C = TILES_PER_STEP * row_tile tokens
-    (zero-padded), so that every operation inside `fn`, its reductions over a token's values
+def token_tiled(fn, xs, chunk: int):
+    """Applies the token-wise `fn` to chunks of C = `chunk` tokens (zero-padded; see
+    `token_chunk`), so that every operation inside `fn`, its reductions over a token's values
     and their gradients included, has the same shape on every mesh.
 
     xs: an array [T, ...] or a pytree of them; fn maps such chunks [C, ...] to a pytree of
     [C, ...] arrays. Returns that pytree with [T, ...] arrays.
     """
     num_tokens = jax.tree.leaves(xs)[0].shape[0]
-    chunk, padded = _token_chunks(num_tokens, row_tile)
+    chunk, padded = _token_chunks(num_tokens, chunk)
     out = lax.map(fn, jax.tree.map(lambda a: _to_chunks(a, chunk, padded), xs))
     return jax.tree.map(lambda a: _from_chunks(a, num_tokens), out)
 
 
 def token_swiglu(
-    x_td: Array, w_gate_df: Array, w_up_df: Array, w_down_fd: Array, dtype: np.dtype, row_tile: int
+    x_td: Array, w_gate_df: Array, w_up_df: Array, w_down_fd: Array, dtype: np.dtype, chunk: int
 ) -> Array:
     """The shared experts' SwiGLU on every token, in fixed-shape chunks: -> f32 [T, D].
 
@@ -103,28 +108,28 @@ def token_swiglu(
     # Inside shard_map the weights meet every device's tokens: let them vary like x, so their
     # gradients come back summed (in their own dtype) over the devices.
     weights = tuple(vary(w, varying_axes(x_td)) for w in (w_gate_df, w_up_df, w_down_fd))
-    return _token_swiglu(x_td, *weights, dtype, row_tile)
+    return _token_swiglu(x_td, *weights, dtype, chunk)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _token_swiglu(x_td, w_gate_df, w_up_df, w_down_fd, dtype, row_tile):
+def _token_swiglu(x_td, w_gate_df, w_up_df, w_down_fd, dtype, chunk):
     weights = tuple(w[None] for w in (w_gate_df, w_up_df, w_down_fd))
 
     def chunk_fn(x_cd):
         return _step_forward(x_cd[None], *weights, dtype)[3][0]
 
-    return token_tiled(chunk_fn, x_td, row_tile)
+    return token_tiled(chunk_fn, x_td, chunk)
 
 
-def _token_swiglu_fwd(x_td, w_gate_df, w_up_df, w_down_fd, dtype, row_tile):
-    y_td = _token_swiglu(x_td, w_gate_df, w_up_df, w_down_fd, dtype, row_tile)
+def _token_swiglu_fwd(x_td, w_gate_df, w_up_df, w_down_fd, dtype, chunk):
+    y_td = _token_swiglu(x_td, w_gate_df, w_up_df, w_down_fd, dtype, chunk)
     return y_td, (x_td, w_gate_df, w_up_df, w_down_fd)
 
 
-def _token_swiglu_bwd(dtype, row_tile, residuals, dy_td):
+def _token_swiglu_bwd(dtype, chunk, residuals, dy_td):
     x_td, *weights = residuals
     num_tokens = x_td.shape[0]
-    chunk, padded = _token_chunks(num_tokens, row_tile)
+    chunk, padded = _token_chunks(num_tokens, chunk)
     weights_1 = tuple(w[None] for w in weights)
 
     def step(accs, args):

@@ -63,6 +63,9 @@ def test_dtype_forms(dtype):
         (dict(routed_scaling=float("nan")), r"routed_scaling=nan must be finite"),
         (dict(norm_topk_prob=1), r"norm_topk_prob=1 must be a bool"),
         (dict(num_shared_experts=-1), r"num_shared_experts=-1 must be >= 0"),
+        (dict(token_chunk=4), r"token_chunk=4 must be >= 8"),
+        (dict(token_chunk=12), r"token_chunk=12 must be a multiple of 8"),
+        (dict(fused_rows="both"), r"fused_rows='both' must be one of"),
     ],
 )
 def test_bad_values_name_themselves(changes, message):

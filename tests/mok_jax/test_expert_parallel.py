@@ -122,6 +122,13 @@ class ExpertParallelTest(parameterized.TestCase):
         self.assertEqual(int(aux.dropped), 0)
         self.assertEqual(int(jnp.sum(aux.tokens_per_expert[16:])), 0)
 
+    def test_another_token_chunk_keeps_sharded_equal_to_unsharded(self):
+        # token_chunk 16 (the default here is 8 * row_tile = 64): the route, combine and shared
+        # expert run 4 chunks of the 64 tokens unsharded, 2 (8 tokens, padded) per device on 8
+        # devices; the chunk's shape, not the count, fixes the bits (tiles.token_tiled).
+        cfg = dataclasses.replace(DSV3, token_chunk=16)
+        self.assert_sharded_matches(cfg, mesh_of("expert"))
+
     def test_capacity_drops_like_unsharded(self):
         cfg = dataclasses.replace(QWEN3, capacity_factor=1.0)
         bias = {0: 1.0, 1: 1.0}  # overload two experts so the capacity bites

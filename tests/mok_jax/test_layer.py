@@ -332,6 +332,18 @@ class FusedLayerTest(chex.TestCase):
             moe(jnp.ones((8, cfg.d_model)), params, cfg, mesh=mesh)
 
 
+def test_token_chunk_sets_the_token_wise_stages_steps():
+    # 40 tokens in chunks of 16: route and combine map 3 chunks of [16, ...]; by default
+    # (8 * row_tile = 64 tokens) 2 chunks, the second all padding.
+    cfg = dataclasses.replace(TINY, token_chunk=16)
+    x, params, _ = random_inputs(cfg, 40)
+    text = str(jax.make_jaxpr(lambda x, p: moe(x, p, cfg))(x, params))
+    assert f"[3,16,{cfg.d_model}]" in text
+    default = str(jax.make_jaxpr(lambda x, p: moe(x, p, TINY))(x, params))
+    chunk = 8 * TINY.row_tile
+    assert f"[2,{chunk},{cfg.d_model}]" in default and f",16,{cfg.d_model}]" not in default
+
+
 def test_compiled_float_scatter_adds_finds_one():
     """The compiled check above can fail: it sees a gather gradient's scatter-add."""
     compiled = (
