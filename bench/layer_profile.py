@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 -m bench.layer_profile --out DIR [--shapes qwen3,mixtral]
         [--implementations pallas,fused] [--products forward,fwd_bwd] [--iters 3]
-        [--no-command-buffers]
+        [--token-chunks 512,2048] [--no-command-buffers]
 
 For each shape, implementation and product (the forward, or the forward and backward of
 sum(y * cotangent), as in bench/fused_probe.py), after warm-up, records `iters` calls under
@@ -28,6 +28,7 @@ import collections
 import dataclasses
 import datetime
 import glob
+import itertools
 import json
 import pathlib
 import re
@@ -138,14 +139,14 @@ def profile_calls(fn: Callable, args: Sequence, *, iters: int, warmup: int = 2) 
     }
 
 
-def _layer(name: str, implementation: str, product: str):
+def _layer(name: str, implementation: str, product: str, token_chunk: int | None = None):
     preset, tokens, experts = SHAPES[name]
     cfg = presets[preset]
     if name == "tiny":
         cfg = scale_down(cfg)
     if experts is not None:
         cfg = dataclasses.replace(cfg, num_experts=experts)
-    cfg = dataclasses.replace(cfg, implementation=implementation)
+    cfg = dataclasses.replace(cfg, implementation=implementation, token_chunk=token_chunk)
     keys = jax.random.split(jax.random.key(1), 3)
     x = jax.random.normal(keys[0], (tokens, cfg.d_model), jnp.float32).astype(jnp.bfloat16)
     cotangent = jax.random.normal(keys[1], x.shape, jnp.float32).astype(jnp.bfloat16)
@@ -166,10 +167,9 @@ def _layer(name: str, implementation: str, product: str):
 
 def render(records: Sequence[dict]) -> str:
     lines = [
-        "| shape | implementation | product | span ms/call | kernel ms/call | kernels/call | "
-        + " | ".join(f"{s} ms (kernels)" for s in (*STAGES, OTHER))
-        + " |",
-        "| --- " * (6 + len(STAGES) + 1) + "|",
+        "| shape | implementation | token chunk | product | span ms/call | kernel ms/call | "
+        "kernels/call | " + " | ".join(f"{s} ms (kernels)" for s in (*STAGES, OTHER)) + " |",
+        "| --- " * (7 + len(STAGES) + 1) + "|",
     ]
     for r in records:
         cells = []
@@ -177,12 +177,16 @@ def render(records: Sequence[dict]) -> str:
             stage = r["stages"].get(s)
             cells.append(f"{stage['kernel_ms']:.3f} ({stage['kernels']})" if stage else "-")
         lines.append(
-            f"| {r['shape']} | {r['implementation']} | {r['product']} | {r['span_ms']:.3f} | "
+            f"| {r['shape']} | {r['implementation']} | {r.get('token_chunk') or 'default'} | "
+            f"{r['product']} | {r['span_ms']:.3f} | "
             f"{r['kernel_ms']:.3f} | {r['kernels_per_call']} | " + " | ".join(cells) + " |"
         )
     lines.append("")
     for r in records:
-        lines.append(f"Top kernels, {r['shape']} {r['implementation']} {r['product']}:")
+        chunk = r.get("token_chunk") or "default"
+        lines.append(
+            f"Top kernels, {r['shape']} {r['implementation']} (token chunk {chunk}) {r['product']}:"
+        )
         lines.append("")
         for k in r["top"][:8]:
             lines.append(
@@ -199,6 +203,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--implementations", default="pallas,fused")
     parser.add_argument("--products", default="forward,fwd_bwd")
     parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument(
+        "--token-chunks",
+        default="",
+        help="comma-separated MoEConfig.token_chunk values to profile each case at (default: the "
+        "config's)",
+    )
     parser.add_argument(
         "--no-command-buffers",
         action="store_true",
@@ -220,21 +230,22 @@ def main(argv: Sequence[str] | None = None) -> None:
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
     records = []
-    for shape in args.shapes.split(","):
-        for implementation in args.implementations.split(","):
-            for product in args.products.split(","):
-                fn, fn_args = _layer(shape, implementation, product)
-                result = profile_calls(fn, fn_args, iters=args.iters)
-                record = {**header, "shape": shape, "implementation": implementation}
-                record |= {"product": product, **result}
-                records.append(record)
-                brief = ("shape", "implementation", "product", "span_ms", "stages")
-                print(json.dumps({k: record[k] for k in brief}), flush=True)
-                (args.out / "layer_profile.json").write_text(json.dumps(records, indent=1))
-                (args.out / "layer_profile.md").write_text(
-                    f"{header['command']}, {header['date']}, {header['device']}\n\n"
-                    + render(records)
-                )
+    chunks = [int(c) for c in args.token_chunks.split(",") if c] or [None]
+    cases = itertools.product(
+        args.shapes.split(","), args.implementations.split(","), chunks, args.products.split(",")
+    )
+    for shape, implementation, chunk, product in cases:
+        fn, fn_args = _layer(shape, implementation, product, chunk)
+        result = profile_calls(fn, fn_args, iters=args.iters)
+        record = {**header, "shape": shape, "implementation": implementation}
+        record |= {"token_chunk": chunk, "product": product, **result}
+        records.append(record)
+        brief = ("shape", "implementation", "token_chunk", "product", "span_ms", "stages")
+        print(json.dumps({k: record[k] for k in brief}), flush=True)
+        (args.out / "layer_profile.json").write_text(json.dumps(records, indent=1))
+        (args.out / "layer_profile.md").write_text(
+            f"{header['command']}, {header['date']}, {header['device']}\n\n" + render(records)
+        )
 
 
 if __name__ == "__main__":

@@ -47,4 +47,4 @@ def test_the_table_shows_each_calls_kernel_time_once():
         "top": [],
     }
     row = layer_profile.render([record]).splitlines()[2]
-    assert row.startswith("| s | pallas | forward | 9.000 | 6.000 | 4 | 1.500 (1) |"), row
+    assert row.startswith("| s | pallas | default | forward | 9.000 | 6.000 | 4 | 1.500 (1) |"), row
