@@ -154,22 +154,29 @@ def _combine(
         keep_tk = keep_tk.reshape(num_tokens, top_k)
 
         # Token by token in fixed-shape chunks, like the routing: the weights' gradient is a
-        # sum over D that must not change order with the number of tokens here.
-        def chunk(args):
-            y_ckd, weights_ck, keep_ck = args
-            # A dropped slot adds +0 (with weighted rows, the kernel's 0 * y may be -0 or NaN).
-            terms_ckd = y_ckd if weighted else weights_ck[..., None] * y_ckd
-            terms_ckd = jnp.where(keep_ck[..., None], terms_ckd, 0.0)
-            # A fusion boundary: XLA may contract w * y + acc into one FMA in one program and
-            # not in another, which changes the last bit; products first, then the sum.
-            return sum_slots(lax.optimization_barrier(terms_ckd))
-
+        # sum over D that must not change order with the number of tokens here. Weighted rows
+        # (`fused`) have no such sum: a where and K - 1 adds, elementwise, are the same bits at
+        # any shape, so they run in one pass over all tokens (no chunk loop).
         tokens = token_chunk(cfg.token_chunk, cfg.row_tile)
-        y_td = token_tiled(chunk, (y_tkd, routing.weights_tk, keep_tk), tokens)
+        if weighted:
+            y_td = sum_slots(jnp.where(keep_tk[..., None], y_tkd, 0.0))
+        else:
+            y_td = token_tiled(_weighted_sum, (y_tkd, routing.weights_tk, keep_tk), tokens)
         if cfg.num_shared_experts:
             shared = (params.shared_w_gate, params.shared_w_up, params.shared_w_down)
             y_td = y_td + token_swiglu(x_td, *shared, cfg.dtype, tokens)
         return y_td.astype(x_td.dtype)
+
+
+def _weighted_sum(args):
+    """One chunk of the unweighted rows' combine: [C, K, D] rows, [C, K] weights and kept
+    slots -> f32 [C, D]."""
+    y_ckd, weights_ck, keep_ck = args
+    # A dropped slot adds +0.
+    terms_ckd = jnp.where(keep_ck[..., None], weights_ck[..., None] * y_ckd, 0.0)
+    # A fusion boundary: XLA may contract w * y + acc into one FMA in one program and not in
+    # another, which changes the last bit; products first, then the sum.
+    return sum_slots(lax.optimization_barrier(terms_ckd))
 
 
 def _aux(
