@@ -197,12 +197,15 @@ def _kernel(
     swiglu: bool,
     gather_rows: bool,
     interpret: bool,
+    num_outs: int = 1,
 ):
     # With gather_rows, row r of the product is lhs row rows_ref[r] (invariant 8).
     rows_ref, refs = (refs[0], refs[1:]) if gather_rows else (None, refs)
     rhs_refs = refs[:num_rhs]
     scale_ref = refs[num_rhs] if has_row_scale else None
-    out_ref = refs[-1]
+    # The output, then (SwiGLU with gate_up_out) the gate and up projections, rounded alike.
+    out_refs = refs[len(refs) - num_outs :]
+    out_ref = out_refs[0]
     block_m, block_n, block_k = config.block_m, config.block_n, config.block_k
     consumer_m, consumer_n = config.consumer_m, config.consumer_n
     split_m = config.consumer_dim == "m"
@@ -432,27 +435,29 @@ def _kernel(
                         plgpu.commit_smem_to_gmem_group()
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-            def epilogue(out_f32, row0, lo, hi, ni):
-                """Stores tile rows [lo, hi) of this consumer's [consumer_m, consumer_n] part,
-                in [epi_m, epi_n] sub-tiles through two shared-memory slots (invariant 2)."""
-                out_cast = out_f32.astype(out_dtype)
+            def epilogue(outs_f32, row0, lo, hi, ni):
+                """Stores tile rows [lo, hi) of this consumer's [consumer_m, consumer_n] part
+                of each output (outs_f32, one value per out_ref), in [epi_m, epi_n] sub-tiles
+                through two shared-memory slots (invariant 2)."""
                 # The previous tile's stores must have read the buffers before they are reused.
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 col0 = ni * block_n + col_off
                 sub = 0
-                for mi in range(consumer_m // epi_m):
-                    for nj in range(consumer_n // epi_n):
-                        store_sub_tile(
-                            sub % 2,
-                            out_cast[mi * epi_m : (mi + 1) * epi_m, nj * epi_n : (nj + 1) * epi_n],
-                            out_ref.at[
-                                pl.ds(row0 + row_off + mi * epi_m, epi_m),
-                                pl.ds(col0 + nj * epi_n, epi_n),
-                            ],
-                            jnp.clip(lo - row_off - mi * epi_m, 0, epi_m),
-                            jnp.clip(hi - row_off - mi * epi_m, 0, epi_m),
-                        )
-                        sub += 1
+                for out_f32, dst_ref in zip(outs_f32, out_refs, strict=True):
+                    out_cast = out_f32.astype(out_dtype)
+                    for mi in range(consumer_m // epi_m):
+                        for nj in range(consumer_n // epi_n):
+                            rows = pl.ds(row0 + row_off + mi * epi_m, epi_m)
+                            store_sub_tile(
+                                sub % 2,
+                                out_cast[
+                                    mi * epi_m : (mi + 1) * epi_m, nj * epi_n : (nj + 1) * epi_n
+                                ],
+                                dst_ref.at[rows, pl.ds(col0 + nj * epi_n, epi_n)],
+                                jnp.clip(lo - row_off - mi * epi_m, 0, epi_m),
+                                jnp.clip(hi - row_off - mi * epi_m, 0, epi_m),
+                            )
+                            sub += 1
 
             @tile_loop
             def _tiles(ni, group, row0, lo, hi, runs, step0):
@@ -508,7 +513,7 @@ def _kernel(
                             (out_f32,) = values
                         if has_row_scale:
                             out_f32 = out_f32 * lax.broadcast_in_dim(scale, out_f32.shape, [0])
-                        epilogue(out_f32, row0, lo, hi, ni)
+                        epilogue([out_f32, *values][:num_outs], row0, lo, hi, ni)
 
                     pl.run_scoped(
                         acc_scope,
@@ -521,7 +526,7 @@ def _kernel(
                     zeros = plgpu.layout_cast(
                         jnp.zeros((consumer_m, consumer_n), jnp.float32), plgpu.Layout.WGMMA
                     )
-                    epilogue(zeros, row0, lo, hi, ni)
+                    epilogue([zeros] * num_outs, row0, lo, hi, ni)
 
                 return step0 + jnp.where(runs, k_steps, 0)
 
@@ -696,13 +701,15 @@ def _grouped_call(
     config: TileConfig,
     swiglu: bool,
     interpret: bool | plgpu.InterpretGPUParams,
-) -> Array:
+    num_outs: int = 1,
+) -> Array | tuple[Array, ...]:
     gather_rows = lhs_rows_m is not None
     num_rows = _num_rows(lhs_mk, lhs_rows_m)
     num_groups = rhs[0].shape[0]
     n = rhs[0].shape[1] if transpose_rhs else rhs[0].shape[2]
     if num_rows == 0 or num_groups == 0 or lhs_mk.shape[1] == 0:
-        return jnp.zeros((num_rows, n), out_dtype)
+        zeros = jnp.zeros((num_rows, n), out_dtype)
+        return zeros if num_outs == 1 else (zeros,) * num_outs
     block_m = config.block_m
     # With cluster_m = 2 a scheduled row tile is a pair of CTAs' tiles (invariant 7).
     tile_m = block_m * config.cluster_m
@@ -744,10 +751,12 @@ def _grouped_call(
         swiglu=swiglu,
         gather_rows=gather_rows,
         interpret=_interpret_params(interpret) is not None,
+        num_outs=num_outs,
     )
-    out = plgpu.kernel(
+    out_type = jax.ShapeDtypeStruct((out_rows, n), out_dtype)
+    outs = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((out_rows, n), out_dtype),
+        out_type=out_type if num_outs == 1 else (out_type,) * num_outs,
         grid=(max(1, grid_size // config.cluster_size),),
         grid_names=("sm",),
         **(
@@ -762,7 +771,9 @@ def _grouped_call(
         ),
         interpret=_interpret_params(interpret),
     )(*operands)
-    return out[:num_rows] if out_rows != num_rows else out
+    if num_outs == 1:
+        return outs[:num_rows] if out_rows != num_rows else outs
+    return tuple(out[:num_rows] if out_rows != num_rows else out for out in outs)
 
 
 def gmm(
@@ -846,12 +857,16 @@ def gmm_swiglu(
     group_sizes_g: Array,
     *,
     lhs_rows_m: Array | None = None,
+    gate_up_out: bool = False,
     config: TileConfig | None = None,
     interpret: bool | plgpu.InterpretGPUParams = False,
-) -> Array:
+) -> Array | tuple[Array, Array, Array]:
     """[M, F] in lhs dtype: silu(lhs @ w_gate[g]) * (lhs @ w_up[g]) per row, both products in
     one kernel (two accumulators), SwiGLU in f32; rows past sum(group_sizes_g) are 0. With
-    `lhs_rows_m` (int32 [M]) row m reads lhs row lhs_rows_m[m], as in `gmm`."""
+    `lhs_rows_m` (int32 [M]) row m reads lhs row lhs_rows_m[m], as in `gmm`. With
+    `gate_up_out`, returns (h, gate, up): the same kernel's epilogue also stores its f32 gate
+    and up accumulators in lhs dtype ([M, F] each; the bits of gmm's product of each), so a
+    backward need not recompute them."""
     _check_inputs(lhs_mk, (w_gate_gkf, w_up_gkf), group_sizes_g, ("w_gate", "w_up"))
     _num_rows(lhs_mk, lhs_rows_m)
     k = lhs_mk.shape[1]
@@ -887,6 +902,7 @@ def gmm_swiglu(
         config=config,
         swiglu=True,
         interpret=interpret,
+        num_outs=3 if gate_up_out else 1,
     )
 
 

@@ -123,6 +123,23 @@ def test_gmm_swiglu_matches_reference(case, dtype):
     chex.assert_trees_all_equal(out[past], jnp.zeros_like(out)[past])
 
 
+@pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=str)
+def test_gmm_swiglu_gate_up_out_are_the_products_bits(case):
+    """gate_up_out: h as without it, and gate and up each the bits of gmm's product (the same
+    accumulators, rounded alike); rows past every group are zeros in all three."""
+    m, k, n, sizes = case
+    lhs, w_gate, group_sizes, _, key = _inputs(m, k, n, sizes)
+    w_up = (jax.random.normal(key, w_gate.shape, jnp.float32) / 4).astype(lhs.dtype)
+    run = dict(config=SMALL, interpret=True)
+    h, gate, up = mosaic_gpu.gmm_swiglu(lhs, w_gate, w_up, group_sizes, gate_up_out=True, **run)
+    chex.assert_trees_all_equal(h, mosaic_gpu.gmm_swiglu(lhs, w_gate, w_up, group_sizes, **run))
+    chex.assert_trees_all_equal(gate, mosaic_gpu.gmm(lhs, w_gate, group_sizes, **run))
+    chex.assert_trees_all_equal(up, mosaic_gpu.gmm(lhs, w_up, group_sizes, **run))
+    past = _rows_past_groups(sizes, m)
+    for out in (h, gate, up):
+        chex.assert_trees_all_equal(out[past], jnp.zeros_like(out)[past])
+
+
 # Whole 64-row groups with many empty ones: every program runs several matmul tiles back to back.
 def _gmm_or_swiglu(product, lhs, w_gate, w_up, group_sizes, config, interpret):
     """(kernel output, reference) of gmm(lhs, w_gate) or gmm_swiglu(lhs, w_gate, w_up)."""
@@ -437,6 +454,7 @@ def _lowered_text(fn, *args):
         "dgrad",
         "weighted_f32",
         "swiglu",
+        "swiglu_gate_up_out",
         "gmm_cluster_n",
         "gmm_cluster_m",
         "gmm_cluster_2x2",
@@ -475,7 +493,7 @@ def test_lowers_for_cuda_at_real_size(product):
         )
     else:
         text = _lowered_text(
-            mosaic_gpu.gmm_swiglu,
+            functools.partial(mosaic_gpu.gmm_swiglu, gate_up_out=product.endswith("out")),
             _S((M, K), bf16),
             _S((G, K, N), bf16),
             _S((G, K, N), bf16),
@@ -587,6 +605,27 @@ def test_gpu_swiglu_and_row_scale_at_real_size():
         lhs, w_gate, sizes, scale
     )
     _assert_close(np.asarray(y)[rows], gate * np.asarray(scale)[rows, None], jnp.float32)
+
+
+@pytest.mark.gpu
+def test_gpu_gmm_swiglu_gate_up_out_are_the_products_bits():
+    m, k, f, g = 16381, 2048, 768, 128
+    keys = jax.random.split(jax.random.key(5), 3)
+    lhs = jax.random.normal(keys[0], (m, k), jnp.float32).astype(jnp.bfloat16)
+    w_gate, w_up = (
+        (jax.random.normal(key, (g, k, f), jnp.float32) / 32).astype(jnp.bfloat16)
+        for key in keys[1:]
+    )
+    sizes = _uniform_group_sizes(m - 40, g, 1)
+    outs = jax.jit(functools.partial(mosaic_gpu.gmm_swiglu, gate_up_out=True))(
+        lhs, w_gate, w_up, sizes
+    )
+    expected = (
+        jax.jit(mosaic_gpu.gmm_swiglu)(lhs, w_gate, w_up, sizes),
+        jax.jit(mosaic_gpu.gmm)(lhs, w_gate, sizes),
+        jax.jit(mosaic_gpu.gmm)(lhs, w_up, sizes),
+    )
+    chex.assert_trees_all_equal(outs, expected)
 
 
 @pytest.mark.gpu
