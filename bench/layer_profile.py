@@ -10,8 +10,9 @@ jax.profiler, reads the device's kernel events back from the trace (jax.profiler
 and charges each kernel to the layer stage its HLO instruction came from: the named scope
 (route, plan, dispatch, experts, combine, aux) in the instruction's op_name metadata of the
 compiled module. Writes DIR/layer_profile.json and DIR/layer_profile.md: per stage, the kernel
-milliseconds per call and the kernel count per call, the busy span (first kernel start to
-last kernel end) per call, and the top kernels. XLA runs most kernels inside command buffers
+milliseconds per call and the kernel count per call, the wall span per call (first kernel
+start to last kernel end over all the calls, host gaps between them included, divided by the
+number of calls), and the top kernels. XLA runs most kernels inside command buffers
 (CUDA graphs), one event each with no stage: --no-command-buffers turns them off, so that
 every kernel is named and staged (at the cost of its launch). Runs on a CPU too (the host's
 XLA thunks stand in for kernels), which is what its test does.
@@ -167,7 +168,7 @@ def _layer(name: str, implementation: str, product: str, token_chunk: int | None
 
 def render(records: Sequence[dict]) -> str:
     lines = [
-        "| shape | implementation | token chunk | product | span ms/call | kernel ms/call | "
+        "| shape | implementation | token chunk | product | wall span ms/call | kernel ms/call | "
         "kernels/call | " + " | ".join(f"{s} ms (kernels)" for s in (*STAGES, OTHER)) + " |",
         "| --- " * (7 + len(STAGES) + 1) + "|",
     ]

@@ -140,8 +140,8 @@ def grouped_swiglu_fused(
     f32. `rows` (config.FusedRows): "gathered", the gate/up kernel loads each row from x
     through the plan's order (`lhs_rows_m`), with no permuted copy of the tokens; "copied",
     it runs on that copy (x[order_n // top_k], one XLA gather), which is faster on the H200.
-    Differentiable in x, the weights and scale_n; the backward runs the `pallas` kernels on the
-    rows gathered once (a fused backward is to come).
+    Differentiable in x, the weights and scale_n; the backward is `ops.swiglu_mlp`'s (8 GEMM
+    passes of the unfused kernels: gate and up recomputed once) on the rows gathered once.
     `dtype` bfloat16 or float16; D and F multiples of 64.
 
     Shapes: w_gate, w_up [E, D, F]; w_down [E, F, D]; scale_n f32 [N]; group_sizes_e int32 [E]

@@ -240,7 +240,8 @@ def _fused_experts(
     `pallas` at qwen3_30b_a3b (6.5 against 8.8 ms), 1.05x at the deepseek-v3 slice, 0.78x
     at mixtral (measured with fused_rows="gathered", whose per-row TMAs cost more than the
     copy: 2.84 against 0.41 + 1.71 ms at qwen3's gate/up, hence the "copied" default). The
-    backward runs the `pallas` kernels on the rows gathered once.
+    backward (then the chained kernels' VJPs, 11 GEMM passes; now ops.swiglu_mlp's, 8) runs the
+    unfused kernels on the rows gathered once.
     """
     from mok_jax.experts import grouped_swiglu_fused
 

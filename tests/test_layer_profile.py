@@ -28,6 +28,9 @@ def test_profiled_calls_charge_their_kernels_to_the_named_stages():
     x = jnp.ones((128, 128), jnp.float32)
     result = layer_profile.profile_calls(fn, (x,), iters=2)
     assert result["iters"] == 2
+    # Per call: the same kernels whatever the number of calls profiled.
+    once = layer_profile.profile_calls(fn, (x,), iters=1)
+    assert once["kernels_per_call"] == result["kernels_per_call"]
     assert {"route", "combine"} <= set(result["stages"])
     assert all(stage["kernels"] >= 1 for stage in result["stages"].values())
     assert result["kernels_per_call"] == sum(s["kernels"] for s in result["stages"].values())

@@ -17,10 +17,11 @@
   swiglu_mlp  y = s * (swiglu(lhs @ w_gate[g], lhs @ w_up[g]) @ w_down[g]) in f32 (s optional),
               the whole expert MLP in one VJP, so that its backward computes gate and up ONCE
               (two f32 gmm calls; h = silu(gate) * up recomputed from them, nothing stored),
-              g = dy @ w_down[g].T in f32 ONCE, dh = s * g, d_s = rowsum(h * g) over F (no
-              recomputed down projection), then gmm_swiglu's d_lhs and weight gradients, and
-              d_w_down = tgmm(h, s * dy): 8 GEMM passes against the 11 of gmm_swiglu's and
-              gmm's VJPs chained (whose h, gate/up and unscaled output are each recomputed).
+              g = dy @ w_down[g].T in f32 ONCE (dy rounded to the compute dtype), dh = s * g,
+              d_s = rowsum(h * g) over F (no recomputed down projection), then gmm_swiglu's
+              d_lhs and weight gradients, and d_w_down = tgmm(h, s * dy): 8 GEMM passes
+              against the 11 of gmm_swiglu's and gmm's VJPs chained (whose h, gate/up and
+              unscaled output are each recomputed).
 Cotangents are cast to the compute dtype (lhs's) before they enter a kernel; weight gradients
 come out in the weights' dtype, input gradients in lhs's, d_s in f32. group_sizes gets no
 gradient. Every kernel call uses the defaults table's tiles (`tuning.py`).
@@ -280,10 +281,14 @@ def swiglu_mlp_grads(
 ) -> tuple[Array, Array, Array, Array, None, Array | None]:
     """The gradients of `swiglu_mlp` for its output's cotangent dy (f32 [M, N]): (d_lhs,
     d_w_gate, d_w_up, d_w_down, None, d_row_scale), d_row_scale None without a row scale.
-    Public for `fused` layers whose forward reads lhs rows another way (gathered in-kernel)."""
+    dy enters the GEMMs rounded to lhs's dtype, d_row_scale included (f32 out, from that
+    rounded dy). Public for `fused` layers whose forward reads lhs rows another way (gathered
+    in-kernel). Outside shard_map, or with operands that already vary over the same mesh axes
+    (`swiglu_mlp` aligns them; this function does not)."""
     static = _Static(interpret=interpret)
     gate, up = _gate_up(static, lhs, w_gate, w_up, group_sizes)
-    h = (jax.nn.silu(gate) * up).astype(lhs.dtype)
+    # The kernel epilogue's formula, so that h has the forward's bits.
+    h = (gate / (1.0 + jnp.exp(-gate)) * up).astype(lhs.dtype)
     dy_c = dy.astype(lhs.dtype)
     # g = dy @ w_down[g].T in f32: dh without the row scale.
     g = _like(

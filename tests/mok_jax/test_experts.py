@@ -101,3 +101,15 @@ def test_grouped_swiglu_pallas_needs_a_16_bit_dtype():
     params, _, sizes, _ = _pallas_inputs(canonical_dtype("bfloat16"))
     with pytest.raises(ValueError, match="dtype=float32 must be bfloat16 or float16"):
         grouped_swiglu_pallas(*params, sizes, canonical_dtype("float32"), interpret=True)
+
+
+def test_grouped_swiglu_fused_names_a_bad_rows_mode():
+    from mok_jax.experts import grouped_swiglu_fused
+
+    (x, *weights), _, sizes, _ = _pallas_inputs(canonical_dtype("bfloat16"))
+    order = jnp.arange(x.shape[0], dtype=jnp.int32)
+    scale = jnp.ones(x.shape[0], jnp.float32)
+    with pytest.raises(ValueError, match="rows='both' must be one of"):
+        grouped_swiglu_fused(
+            x, *weights, scale, sizes, order, order, 1, canonical_dtype("bfloat16"), rows="both"
+        )

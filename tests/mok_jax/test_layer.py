@@ -264,8 +264,8 @@ class FusedLayerTest(chex.TestCase):
         assert_close_results(result, reference, cfg.dtype)
         (_, (y, _)), _ = result
         # Gradients differ from pallas's in their f32 roundings (the weight gradients sum
-        # unpadded row blocks, the routing weights' gradient sums over D in one reduction, the
-        # down projection's input gradient scales in the kernel's epilogue, not before it).
+        # unpadded row blocks, the routing weights' gradient is a sum over F in the experts'
+        # backward, not over D in the combine's).
         (_, (y_pallas, _)), _ = value_and_grads(x, params, cotangent, cfg=with_impl(cfg, "pallas"))
         chex.assert_trees_all_equal(y, y_pallas)
 
@@ -274,13 +274,16 @@ class FusedLayerTest(chex.TestCase):
         # their copy, are the same product (invariant 8 of the grouped-GEMM kernels), and the
         # backward is the same: values and gradients bit for bit.
         cfg = with_impl(SCALED_PRESETS["qwen3_30b_a3b"], "fused", fused_rows="gathered")
-        self.assertEqual(with_impl(cfg, "fused", fused_rows="copied").fused_rows, "copied")
+        copied_cfg = dataclasses.replace(cfg, fused_rows="copied")
         x, params, cotangent = random_inputs(cfg, 24, seed=4)
         gathered = value_and_grads(x, params, cotangent, cfg=cfg)
-        copied = value_and_grads(
-            x, params, cotangent, cfg=dataclasses.replace(cfg, fused_rows="copied")
-        )
+        copied = value_and_grads(x, params, cotangent, cfg=copied_cfg)
         chex.assert_trees_all_equal(gathered, copied)
+        # The two run different forwards: only "copied" gathers the tokens into [N, D] rows.
+        copy = f"bf16[{24 * cfg.top_k},{cfg.d_model}] = gather"
+        for c, copies in ((cfg, False), (copied_cfg, True)):
+            forward = jax.make_jaxpr(lambda x, p, c=c: moe(x, p, c)[0])(x, params)
+            self.assertEqual(copy in str(forward), copies, c.fused_rows)
 
     def test_drops_and_shared_experts_match_reference(self):
         # Capacity 1.0: rows past an expert's capacity are dropped (their weight is 0 in the
