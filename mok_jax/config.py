@@ -39,11 +39,16 @@ Exchange = Literal["ragged_all_to_all", "ring"]
 # loads each row from the tokens itself, one 1-row TMA per row and K step: no copy, slower on
 # the H200; see layer._fused_experts).
 FusedRows = Literal["copied", "gathered"]
+# What the `fused` implementation's forward keeps for its backward: "inputs" (the tokens and
+# weights: the backward recomputes the gate and up projections, 2 of its 8 GEMM passes) or
+# "gate_up" (also h, gate and up, [T*K, F] each in the compute dtype: 6 passes).
+FusedResiduals = Literal["inputs", "gate_up"]
 
 IMPLEMENTATIONS: tuple[str, ...] = typing.get_args(Implementation)
 SCORE_FNS: tuple[str, ...] = typing.get_args(ScoreFn)
 EXCHANGES: tuple[str, ...] = typing.get_args(Exchange)
 FUSED_ROWS: tuple[str, ...] = typing.get_args(FusedRows)
+FUSED_RESIDUALS: tuple[str, ...] = typing.get_args(FusedResiduals)
 
 # Short dtype names a command line or a config file may use, besides numpy's own names.
 _DTYPE_ALIASES = {
@@ -147,6 +152,9 @@ class MoEConfig:
         `FusedRows`); both give the same bits. "gathered" saves the [T*K, D] copy of the
         tokens; "copied" is faster on the H200 (2.1 against 2.8 ms at qwen3_30b_a3b's gate/up,
         bench/results/2026-11-30_fused_probe_h200/).
+      fused_residuals: with implementation 'fused', what its forward keeps for the backward
+        (see `FusedResiduals`): "inputs" is lean, "gate_up" skips recomputing the gate and up
+        projections for 3 * K * F more values per token.
     """
 
     d_model: int
@@ -168,6 +176,7 @@ class MoEConfig:
     buffer_factor: float = 2.0
     row_tile: int = 64
     fused_rows: FusedRows = "copied"
+    fused_residuals: FusedResiduals = "inputs"
     token_chunk: int | None = None
 
     def __post_init__(self) -> None:
@@ -204,6 +213,10 @@ class MoEConfig:
                 raise ValueError(f"token_chunk={self.token_chunk} must be a multiple of 8")
         if self.fused_rows not in FUSED_ROWS:
             raise ValueError(f"fused_rows={self.fused_rows!r} must be one of {FUSED_ROWS}")
+        if self.fused_residuals not in FUSED_RESIDUALS:
+            raise ValueError(
+                f"fused_residuals={self.fused_residuals!r} must be one of {FUSED_RESIDUALS}"
+            )
         put("buffer_factor", _check_float("buffer_factor", self.buffer_factor, positive=True))
         put("row_tile", check_int("row_tile", self.row_tile, minimum=8))
         if self.row_tile % 8:

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array, lax
 
-from mok_jax.config import FUSED_ROWS
+from mok_jax.config import FUSED_RESIDUALS, FUSED_ROWS
 from mok_jax.permute import tokens_to_rows
 
 
@@ -130,6 +130,7 @@ def grouped_swiglu_fused(
     dtype: np.dtype,
     *,
     rows: str = "copied",
+    residuals: str = "inputs",
     interpret: bool = False,
 ) -> Array:
     """Tokens x [T, D] -> f32 [N, D], row p the SwiGLU of token order_n[p] // top_k with its
@@ -140,8 +141,10 @@ def grouped_swiglu_fused(
     f32. `rows` (config.FusedRows): "gathered", the gate/up kernel loads each row from x
     through the plan's order (`lhs_rows_m`), with no permuted copy of the tokens; "copied",
     it runs on that copy (x[order_n // top_k], one XLA gather), which is faster on the H200.
-    Differentiable in x, the weights and scale_n; the backward is `ops.swiglu_mlp`'s (8 GEMM
-    passes of the unfused kernels: gate and up recomputed once) on the rows gathered once.
+    Differentiable in x, the weights and scale_n; the backward is `ops.swiglu_mlp`'s on the
+    rows gathered once. `residuals` (config.FusedResiduals): "inputs", it recomputes gate and
+    up (8 GEMM passes); "gate_up", the forward's kernel also stores gate and up and keeps them
+    with h for the backward (3 [N, F] arrays in `dtype` more memory, 6 GEMM passes).
     `dtype` bfloat16 or float16; D and F multiples of 64.
 
     Shapes: w_gate, w_up [E, D, F]; w_down [E, F, D]; scale_n f32 [N]; group_sizes_e int32 [E]
@@ -159,10 +162,12 @@ def grouped_swiglu_fused(
     _check_kernel_dtype(dtype)
     if rows not in FUSED_ROWS:
         raise ValueError(f"rows={rows!r} must be one of {FUSED_ROWS}")
+    if residuals not in FUSED_RESIDUALS:
+        raise ValueError(f"residuals={residuals!r} must be one of {FUSED_RESIDUALS}")
     weights = tuple(w.astype(dtype) for w in (w_gate_edf, w_up_edf, w_down_efd))
     plan = (group_sizes_e, order_n, inverse_n)
     return _fused(
-        (top_k, rows, interpret),
+        (top_k, rows, residuals, interpret),
         x_td.astype(dtype),
         *weights,
         scale_n.astype(jnp.float32),
@@ -170,20 +175,22 @@ def grouped_swiglu_fused(
     )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _fused(static, x_td, w_gate, w_up, w_down, scale_n, group_sizes_e, order_n, inverse_n):
+def _fused_forward(
+    static, x_td, w_gate, w_up, w_down, scale_n, group_sizes_e, order_n, _, *, keep: bool
+):
+    """(y_nd, (h, gate, up) if `keep` else None): the two kernels, the gate/up kernel's rows
+    read from x through the plan's order or from their copy."""
     from pallas_kernels.grouped_matmul import mosaic_gpu
 
-    top_k, rows, interpret = static
+    top_k, rows, _, interpret = static
     rows_n = order_n // top_k
+    swiglu = functools.partial(mosaic_gpu.gmm_swiglu, gate_up_out=keep, interpret=interpret)
     if rows == "gathered":
-        h_nf = mosaic_gpu.gmm_swiglu(
-            x_td, w_gate, w_up, group_sizes_e, lhs_rows_m=rows_n, interpret=interpret
-        )
+        out = swiglu(x_td, w_gate, w_up, group_sizes_e, lhs_rows_m=rows_n)
     else:
-        x_nd = jnp.take(x_td, rows_n, axis=0)
-        h_nf = mosaic_gpu.gmm_swiglu(x_nd, w_gate, w_up, group_sizes_e, interpret=interpret)
-    return mosaic_gpu.gmm(
+        out = swiglu(jnp.take(x_td, rows_n, axis=0), w_gate, w_up, group_sizes_e)
+    h_nf = out[0] if keep else out
+    y_nd = mosaic_gpu.gmm(
         h_nf,
         w_down,
         group_sizes_e,
@@ -191,24 +198,33 @@ def _fused(static, x_td, w_gate, w_up, w_down, scale_n, group_sizes_e, order_n, 
         out_dtype=jnp.float32,
         interpret=interpret,
     )
+    return y_nd, (out if keep else None)
 
 
-def _fused_fwd(static, *args):
-    return _fused(static, *args), args
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fused(static, *operands):
+    return _fused_forward(static, *operands, keep=False)[0]
+
+
+def _fused_fwd(static, *operands):
+    y_nd, saved = _fused_forward(static, *operands, keep=static[2] == "gate_up")
+    return y_nd, (operands, saved)
 
 
 def _fused_bwd(static, residuals, g_nd):
     from pallas_kernels.grouped_matmul import ops as grouped_ops
 
-    top_k, _, interpret = static
-    x_td, w_gate, w_up, w_down, scale_n, group_sizes_e, order_n, inverse_n = residuals
+    top_k, _, _, interpret = static
+    operands, saved = residuals
+    x_td, w_gate, w_up, w_down, scale_n, group_sizes_e, order_n, inverse_n = operands
 
     # The gradients of the unfused kernels' VJP (ops.swiglu_mlp: gate and up recomputed once,
-    # nothing stored) on the rows gathered once; x's gradient sums each token's rows in slot
-    # order (tokens_to_rows's backward: a gather and a fixed-order sum, no scatter-add).
+    # or with residuals "gate_up" the forward's h, gate and up) on the rows gathered once; x's
+    # gradient sums each token's rows in slot order (tokens_to_rows's backward: a gather and a
+    # fixed-order sum, no scatter-add).
     x_nd, rows_vjp = jax.vjp(lambda x: tokens_to_rows(x, order_n, inverse_n, top_k), x_td)
     d_x_nd, d_w_gate, d_w_up, d_w_down, _, d_scale = grouped_ops.swiglu_mlp_grads(
-        x_nd, w_gate, w_up, w_down, group_sizes_e, scale_n, g_nd, interpret=interpret
+        x_nd, w_gate, w_up, w_down, group_sizes_e, scale_n, g_nd, saved=saved, interpret=interpret
     )
     (d_x_td,) = rows_vjp(d_x_nd)
     return d_x_td, d_w_gate, d_w_up, d_w_down, d_scale, None, None, None

@@ -263,6 +263,7 @@ def _fused_experts(
             cfg.top_k,
             cfg.dtype,
             rows=cfg.fused_rows,
+            residuals=cfg.fused_residuals,
             interpret=jax.default_backend() == "cpu",
         )
 

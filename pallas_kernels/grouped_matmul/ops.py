@@ -277,6 +277,7 @@ def swiglu_mlp_grads(
     row_scale: Array | None,
     dy: Array,
     *,
+    saved: tuple[Array, Array, Array] | None = None,
     interpret: bool = False,
 ) -> tuple[Array, Array, Array, Array, None, Array | None]:
     """The gradients of `swiglu_mlp` for its output's cotangent dy (f32 [M, N]): (d_lhs,
@@ -286,9 +287,13 @@ def swiglu_mlp_grads(
     in-kernel). Outside shard_map, or with operands that already vary over the same mesh axes
     (`swiglu_mlp` aligns them; this function does not)."""
     static = _Static(interpret=interpret)
-    gate, up = _gate_up(static, lhs, w_gate, w_up, group_sizes)
-    # The kernel epilogue's formula, so that h has the forward's bits.
-    h = (gate / (1.0 + jnp.exp(-gate)) * up).astype(lhs.dtype)
+    if saved is None:
+        gate, up = _gate_up(static, lhs, w_gate, w_up, group_sizes)
+        # The kernel epilogue's formula, so that h has the forward's bits.
+        h = (gate / (1.0 + jnp.exp(-gate)) * up).astype(lhs.dtype)
+    else:  # the forward's (gmm_swiglu(gate_up_out=True)): no GEMM here
+        h, gate, up = saved
+        gate, up = gate.astype(jnp.float32), up.astype(jnp.float32)
     dy_c = dy.astype(lhs.dtype)
     # g = dy @ w_down[g].T in f32: dh without the row scale.
     g = _like(

@@ -25,6 +25,7 @@ from tests.mok_jax.cases import (
     assert_close,
     assert_close_results,
     jit_value_and_grads,
+    loss_and_outputs,
     random_inputs,
     value_and_grads,
     with_impl,
@@ -284,6 +285,29 @@ class FusedLayerTest(chex.TestCase):
         for c, copies in ((cfg, False), (copied_cfg, True)):
             forward = jax.make_jaxpr(lambda x, p, c=c: moe(x, p, c)[0])(x, params)
             self.assertEqual(copy in str(forward), copies, c.fused_rows)
+
+    def test_saved_gate_up_match_reference_with_two_gemm_passes_fewer(self):
+        # fused_residuals="gate_up": the forward's kernel also stores gate and up, and the
+        # backward uses them (and h) instead of recomputing: same y, gradients to tolerance (the
+        # SwiGLU derivative sees gate and up rounded to bf16), two kernels fewer.
+        cfg = with_impl(SCALED_PRESETS["qwen3_30b_a3b"], "fused", fused_residuals="gate_up")
+        inputs_cfg = dataclasses.replace(cfg, fused_residuals="inputs")
+        x, params, cotangent = random_inputs(cfg, 24, seed=6)
+        result = value_and_grads(x, params, cotangent, cfg=cfg)
+        reference = value_and_grads(x, params, cotangent, cfg=with_impl(cfg, "reference"))
+        assert_close_results(result, reference, cfg.dtype)
+        (_, (y, _)), _ = result
+        (_, (y_inputs, _)), _ = value_and_grads(x, params, cotangent, cfg=inputs_cfg)
+        chex.assert_trees_all_equal(y, y_inputs)
+
+        def kernels(c):
+            # A kernel call is a pallas_call on a GPU backend, its interpret-mode wrapper a
+            # custom_vmap_call on a CPU one (the two configs share every other such call).
+            grads = jax.grad(lambda x, p: loss_and_outputs(x, p, cotangent, c)[0], (0, 1))
+            text = str(jax.make_jaxpr(grads)(x, params))
+            return text.count("pallas_call") + text.count("custom_vmap_call")
+
+        self.assertEqual(kernels(inputs_cfg) - kernels(cfg), 2)
 
     def test_drops_and_shared_experts_match_reference(self):
         # Capacity 1.0: rows past an expert's capacity are dropped (their weight is 0 in the
