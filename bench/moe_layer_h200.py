@@ -101,8 +101,10 @@ COMPUTES = {
     "xla": "mok_jax.moe(x, params, cfg), implementation='xla' (fixed-shape tile scan)",
     "pallas": "mok_jax.moe, implementation='pallas' (route, plan, gather, Mosaic GPU gmm_swiglu "
     "and gmm, fixed-order combine)",
-    "fused": "mok_jax.moe, implementation='fused' (rows read straight from x by the gate/up "
-    "kernel, routing weights in the down kernel's epilogue; backward: the pallas kernels)",
+    "fused": "mok_jax.moe, implementation='fused' (the gate/up kernel on the expert-sorted "
+    "rows, copied or read from x by the kernel (fused_rows), routing weights in the down "
+    "kernel's epilogue, one-pass weighted combine; backward: ops.swiglu_mlp's kernels, gate "
+    "and up recomputed or kept (fused_residuals))",
     "tokamax": "mok_jax's route stage (same experts and weights), then MaxText's dropless "
     "recipe: stable argsort by expert, jnp.take of the rows, tokamax.ragged_dot (mosaic) for "
     "gate, up, down with silu(gate)*up in bf16, jnp.take back by the inverse order, "
@@ -395,15 +397,20 @@ class Bench:
             "torch_det": lambda: self._torch(product, deterministic=True, for_check=for_check),
         }
         return [
-            gg.Candidate(TITLES[key], key, builders[key], config=COMPUTES[key])
+            gg.Candidate(TITLES[key], key, builders[key], config=self._computes(key))
             for key in CANDIDATES
             if key in self.args.candidates
         ]
 
+    def _computes(self, key: str) -> str:
+        options = self.args.fused_options if key == "fused" else {}
+        return COMPUTES[key] + (f"; with {options}" if options else "")
+
     def _mok(self, implementation: str, product: str) -> gg.Runner:
         inp = self.inp
+        options = self.args.fused_options if implementation == "fused" else {}
         try:
-            cfg = dataclasses.replace(inp.cfg, implementation=implementation)
+            cfg = dataclasses.replace(inp.cfg, implementation=implementation, **options)
         except ValueError as e:
             raise gg.NotAvailable(f"{implementation}: {e}") from e
 
@@ -1064,6 +1071,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help=f"comma-separated, of {','.join(CANDIDATES)} (default: all; --smoke: "
         f"{','.join(SMOKE_CANDIDATES)})",
     )
+    ap.add_argument(
+        "--fused-options",
+        default="",
+        help="MoEConfig fields for the fused candidate, comma-separated key=value (e.g. "
+        "fused_residuals=gate_up,fused_rows=gathered,token_chunk=2048)",
+    )
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--timed", type=int, default=None, help="timed samples (>= 10 on the GPU)")
     ap.add_argument("--repeats", type=int, default=3, help="runs compared bitwise (>= 3)")
@@ -1088,6 +1101,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "gradient failed its check at real sizes in issue 4)",
     )
     args = ap.parse_args(argv)
+    args.fused_options = _parse_options(ap, args.fused_options)
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
     names = [s for s in args.shapes.split(",") if s]
     unknown = set(names) - {s.name for s in shapes}
@@ -1116,6 +1130,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.hard_limit_s is None:
         args.hard_limit_s = args.budget_s + 45.0
     return args
+
+
+def _parse_options(ap: argparse.ArgumentParser, text: str) -> dict:
+    """'a=1,b=x' -> {'a': 1, 'b': 'x'}, each key a MoEConfig field (ints as ints)."""
+    fields = {f.name for f in dataclasses.fields(MoEConfig)}
+    options = {}
+    for item in (i for i in text.split(",") if i):
+        key, sep, value = item.partition("=")
+        if not sep or key not in fields:
+            ap.error(f"--fused-options: {item!r} is not key=value of a MoEConfig field")
+        options[key] = int(value) if value.lstrip("-").isdigit() else value
+    return options
 
 
 def main(argv: Sequence[str] | None = None, *, started_at: float | None = None) -> dict:

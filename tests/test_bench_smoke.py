@@ -648,3 +648,15 @@ def test_moe_layer_smoke_checks_times_and_marks_gpu_baselines_not_available(tmp_
     text = (tmp_path / "moe_layer_h200.md").read_text()
     assert "## smoke_mixtral: T=64" in text and "| 2. MaxText recipe + tokamax mosaic |" in text
     assert "not available" in text and "SMOKE RUN" in text
+
+
+def test_moe_layer_fused_options_set_the_fused_config_and_reject_unknown_fields():
+    from bench import moe_layer_h200 as layer
+
+    args = layer.parse_args(["--fused-options", "fused_residuals=gate_up,token_chunk=2048"])
+    assert args.fused_options == {"fused_residuals": "gate_up", "token_chunk": 2048}
+    bench = layer.Bench(args, None, layer.SHAPES[0])
+    assert bench._computes("fused").endswith("; with " + str(args.fused_options))
+    assert bench._computes("pallas") == layer.COMPUTES["pallas"]
+    with pytest.raises(SystemExit):
+        layer.parse_args(["--fused-options", "residuals=gate_up"])
