@@ -2,7 +2,8 @@
 its backward pass, measured on the CPU without allocating it.
 
     PYTHONPATH=. python -m bench.activation_memory --out bench/results/DATE_activation_memory
-        [--shapes qwen3_30b_a3b,mixtral_8x7b,dsv3_slice] [--implementations xla,pallas,fused]
+        [--shapes qwen3_30b_a3b,mixtral_8x7b,dsv3_slice]
+        [--implementations xla,pallas,fused,fused_gate_up]
     PYTHONPATH=. python -m bench.activation_memory --smoke     # tiny layers, for a quick look
 
 Method. The residuals of the layer's VJP: `jax.vjp(lambda x, p: moe(x, p, cfg)[0], x, params)`
@@ -47,7 +48,8 @@ from bench.moe_layer_h200 import LayerShape
 from mok_jax import MoEConfig, init_params, moe
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-IMPLEMENTATIONS = ("xla", "pallas", "fused")
+# fused_gate_up: implementation "fused" with fused_residuals="gate_up" (h, gate and up kept).
+IMPLEMENTATIONS = ("xla", "pallas", "fused", "fused_gate_up")
 BASELINE = "xla"
 # issue 5's three layers (the Zipf-routed qwen3 has qwen3's residual shapes: dropless).
 SHAPES: tuple[LayerShape, ...] = tuple(s for s in LAYER_SHAPES if s.routing == "router")
@@ -220,6 +222,8 @@ def measure(cfg: MoEConfig, tokens: int) -> dict:
 
 
 def shape_config(shape: LayerShape, implementation: str) -> MoEConfig:
+    if implementation == "fused_gate_up":
+        return dataclasses.replace(shape.config("fused"), fused_residuals="gate_up")
     return shape.config(implementation)
 
 

@@ -34,7 +34,7 @@ from mok_jax.config import MoEConfig
 from mok_jax.mesh import ShardingRules, shard_params, shard_tokens
 from mok_jax.mesh import param_specs as mesh_param_specs
 from mok_jax.params import MoEParams, validate_params
-from mok_jax.permute import rows_to_slots, sum_slots, take_rows, tokens_to_rows
+from mok_jax.permute import rows_to_slots, sum_kept_slots, sum_slots, take_rows, tokens_to_rows
 from mok_jax.plan import Plan, make_plan
 from mok_jax.reference import moe_reference
 from mok_jax.routed import RoutedSpec, routed_experts
@@ -159,7 +159,7 @@ def _combine(
         # any shape, so they run in one pass over all tokens (no chunk loop).
         tokens = token_chunk(cfg.token_chunk, cfg.row_tile)
         if weighted:
-            y_td = sum_slots(jnp.where(keep_tk[..., None], y_tkd, 0.0))
+            y_td = sum_slots(y_tkd) if plan.keep_n is None else sum_kept_slots(y_tkd, keep_tk)
         else:
             y_td = token_tiled(_weighted_sum, (y_tkd, routing.weights_tk, keep_tk), tokens)
         if cfg.num_shared_experts:

@@ -22,6 +22,25 @@ def sum_slots(x_tkd: Array) -> Array:
     return acc_td
 
 
+@jax.custom_vjp
+def sum_kept_slots(x_tkd: Array, keep_tk: Array) -> Array:
+    """f32 [T, K, D], bool [T, K] -> f32 [T, D]: `sum_slots` of the kept slots, a dropped
+    slot adding +0 (whatever it holds: -0, NaN). Its VJP keeps only keep_tk (autodiff of the
+    where would keep its [T, K, D] broadcasts for the backward)."""
+    return sum_slots(jnp.where(keep_tk[..., None], x_tkd, 0.0))
+
+
+def _sum_kept_slots_fwd(x_tkd, keep_tk):
+    return sum_kept_slots(x_tkd, keep_tk), keep_tk
+
+
+def _sum_kept_slots_bwd(keep_tk, g_td):
+    return jnp.where(keep_tk[..., None], g_td[:, None, :], 0.0), None
+
+
+sum_kept_slots.defvjp(_sum_kept_slots_fwd, _sum_kept_slots_bwd)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def tokens_to_rows(x_td: Array, order_n: Array, inverse_n: Array, top_k: int) -> Array:
     """x [T, D] -> rows [N, D] in expert-sorted order: row p is token order_n[p] // K."""

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mok_jax.permute import rows_to_slots, sum_slots, tokens_to_rows
+from mok_jax.permute import rows_to_slots, sum_kept_slots, sum_slots, tokens_to_rows
 from mok_jax.plan import make_plan
 
 
@@ -53,3 +53,24 @@ def test_sum_slots_is_left_to_right_in_f32():
     out = sum_slots(x)
     chex.assert_type(out, jnp.float32)
     np.testing.assert_array_equal(out, [[1.0 + 2.0**-8]])
+
+
+def test_sum_kept_slots_values_gradient_and_residuals():
+    keys = jax.random.split(jax.random.key(3), 3)
+    x = jax.random.normal(keys[0], (6, 3, 8))
+    x = x.at[1, 2].set(jnp.nan).at[2].set(-0.0)  # a dropped slot holding NaN; -0 rows
+    keep = jax.random.bernoulli(keys[1], 0.6, (6, 3)).at[1, 2].set(False).at[2].set(False)
+    g = jax.random.normal(keys[2], (6, 8))
+
+    def autodiff(x):
+        return sum_slots(jnp.where(keep[..., None], x, 0.0))
+
+    out, vjp = jax.vjp(lambda x: sum_kept_slots(x, keep), x)
+    expected, expected_vjp = jax.vjp(autodiff, x)
+    chex.assert_trees_all_equal(out, expected)
+    assert not np.signbit(np.asarray(out[2])).any()  # a token with no kept slot: +0
+    chex.assert_trees_all_equal(vjp(g), expected_vjp(g))
+    # Only the [T, K] mask is kept for the backward (autodiff keeps [T, K, D] broadcasts).
+    saved = jax.vjp(lambda x: sum_kept_slots(x, keep), x)[1]
+    shapes = [leaf.shape for leaf in jax.tree.leaves(saved)]
+    assert (6, 3) in shapes and (6, 3, 8) not in shapes, shapes
