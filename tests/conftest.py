@@ -1,5 +1,7 @@
-"""Test set-up: 8 fake CPU devices, strict dtype promotion, hypothesis profiles, the gpu marker."""
+"""Test set-up: 8 fake CPU devices, strict dtype promotion, hypothesis profiles, the gpu marker,
+jax's compiled programs released after each test module."""
 
+import gc
 import os
 
 # Before jax initializes its backends: 8 simulated CPU devices for the sharded tests.
@@ -17,6 +19,22 @@ jax.config.update("jax_numpy_dtype_promotion", "strict")
 settings.register_profile("ci", max_examples=40, deadline=None, derandomize=True)
 settings.register_profile("thorough", max_examples=500, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drops jax's caches of compiled programs after each test module.
+
+    XLA:CPU maps three memory regions (code, data, constants) for every kernel of a compiled
+    program, and GPU interpret mode compiles many small programs; jax caches them all, so a
+    pytest-xdist worker that runs half the suite reached Linux's limit of 65530 mappings a
+    process (vm.max_map_count) near the end, and the next compile aborted the worker (CI on
+    2026-11-30: "Fatal Python error: Aborted" in backend_compile_and_load, in
+    tests/train/test_step.py). 14 interpret-mode tgmm tests leave 3040 mappings; after this,
+    591. Programs shared between modules compile again."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 def _has_gpu() -> bool:

@@ -75,6 +75,11 @@ Invariants (numbered; the tests check each):
      (rows past M, which invariant 4 computes and never stores, read lhs row 0 here instead of TMA's
      zeros) (test_gathered_rows_give_the_bits_of_the_gathered_lhs; on the GPU, where the swizzle is
      real, test_gpu_gathered_rows_give_the_bits_of_the_gathered_lhs).
+  9. An rhs given in parts along K (`gmm(lhs, (rhs_a, rhs_b), ...)`, the backward's
+     [w_gate | w_up] without a concatenated copy) runs exactly as the concatenated rhs: the same
+     tiles and K steps, step k's rhs tile TMA-loaded from the part holding K slice k (one copy
+     a step, as for one rhs), so the bits are those of the concatenation
+     (test_rhs_parts_give_the_bits_of_the_concatenated_rhs).
 """
 
 from __future__ import annotations
@@ -198,11 +203,13 @@ def _kernel(
     gather_rows: bool,
     interpret: bool,
     num_outs: int = 1,
+    rhs_k_parts: int = 1,
 ):
     # With gather_rows, row r of the product is lhs row rows_ref[r] (invariant 8).
     rows_ref, refs = (refs[0], refs[1:]) if gather_rows else (None, refs)
-    rhs_refs = refs[:num_rhs]
-    scale_ref = refs[num_rhs] if has_row_scale else None
+    # Each rhs as `rhs_k_parts` refs, its consecutive parts along K (invariant 9).
+    rhs_refs = refs[: num_rhs * rhs_k_parts]
+    scale_ref = refs[num_rhs * rhs_k_parts] if has_row_scale else None
     # The output, then (SwiGLU with gate_up_out) the gate and up projections, rounded alike.
     out_refs = refs[len(refs) - num_outs :]
     out_ref = out_refs[0]
@@ -214,6 +221,7 @@ def _kernel(
     delay = config.delay_release
     epi_m, epi_n = config.epilogue_tile
     k_steps = lhs_ref.shape[1] // block_k
+    part_steps = k_steps // rhs_k_parts  # K steps of each rhs part (equal parts, checked)
     num_tiles_n = out_ref.shape[1] // block_n
     out_dtype = out_ref.dtype
     in_dtype = lhs_ref.dtype
@@ -384,18 +392,30 @@ def _kernel(
                                 collective_axes="cluster_n" if multicast_lhs else None,
                             )
                         ns = pl.ds(ni * block_n, block_n)
-                        for rhs_ref, rhs_smem in zip(rhs_refs, rhs_smems, strict=True):
-                            src = (
-                                rhs_ref.at[group, ns, ks]
-                                if transpose_rhs
-                                else rhs_ref.at[group, ks, ns]
-                            )
-                            plgpu.copy_gmem_to_smem(
-                                src,
-                                rhs_smem.at[slot],
-                                loaded.at[slot],
-                                collective_axes="cluster_m" if multicast_rhs else None,
-                            )
+                        for index, rhs_smem in enumerate(rhs_smems):
+                            parts = rhs_refs[index * rhs_k_parts : (index + 1) * rhs_k_parts]
+                            # Invariant 9: step k reads its K slice from the part that holds it.
+                            for part, rhs_ref in enumerate(parts):
+
+                                def _load_rhs(part=part, rhs_ref=rhs_ref, rhs_smem=rhs_smem):
+                                    local = pl.ds((k - part * part_steps) * block_k, block_k)
+                                    src = (
+                                        rhs_ref.at[group, ns, local]
+                                        if transpose_rhs
+                                        else rhs_ref.at[group, local, ns]
+                                    )
+                                    plgpu.copy_gmem_to_smem(
+                                        src,
+                                        rhs_smem.at[slot],
+                                        loaded.at[slot],
+                                        collective_axes="cluster_m" if multicast_rhs else None,
+                                    )
+
+                                if rhs_k_parts == 1:
+                                    _load_rhs()
+                                else:
+                                    in_part = k // part_steps == part
+                                    pl.when(in_part)(_load_rhs)
 
                 return step0 + jnp.where(runs, k_steps, 0)
 
@@ -702,6 +722,7 @@ def _grouped_call(
     swiglu: bool,
     interpret: bool | plgpu.InterpretGPUParams,
     num_outs: int = 1,
+    rhs_k_parts: int = 1,
 ) -> Array | tuple[Array, ...]:
     gather_rows = lhs_rows_m is not None
     num_rows = _num_rows(lhs_mk, lhs_rows_m)
@@ -746,12 +767,13 @@ def _grouped_call(
         num_groups=num_groups,
         num_tiles_m=group_t.shape[0],
         transpose_rhs=transpose_rhs,
-        num_rhs=len(rhs),
+        num_rhs=len(rhs) // rhs_k_parts,
         has_row_scale=row_scale_m is not None,
         swiglu=swiglu,
         gather_rows=gather_rows,
         interpret=_interpret_params(interpret) is not None,
         num_outs=num_outs,
+        rhs_k_parts=rhs_k_parts,
     )
     out_type = jax.ShapeDtypeStruct((out_rows, n), out_dtype)
     outs = plgpu.kernel(
@@ -778,7 +800,7 @@ def _grouped_call(
 
 def gmm(
     lhs_mk: Array,
-    rhs_gkn: Array,
+    rhs_gkn: Array | tuple[Array, ...],
     group_sizes_g: Array,
     *,
     transpose_rhs: bool = False,
@@ -796,17 +818,27 @@ def gmm(
     lhs_rows_m[m], clipped to [0, T) (a negative index reads row 0, not from the end), read
     straight from lhs one row at a time (invariant 8): for indices in [0, T),
     `gmm(x, w, sizes, lhs_rows_m=idx)` equals `gmm(x[idx], w, sizes)` bit for bit, without
-    materializing x[idx]. Needs block_k * itemsize = 128 and no clusters."""
-    _check_inputs(lhs_mk, (rhs_gkn,), group_sizes_g, ("rhs",))
+    materializing x[idx]. Needs block_k * itemsize = 128 and no clusters.
+
+    rhs_gkn may be a tuple of P arrays of one shape: the rhs is then their concatenation along
+    K (axis 1, or axis 2 with transpose_rhs), read part by part in the kernel (invariant 9), so
+    `gmm(dy, (w_a, w_b), sizes, transpose_rhs=True)` equals
+    `gmm(dy, jnp.concatenate([w_a, w_b], 2), sizes, transpose_rhs=True)` bit for bit without
+    the concatenated copy. Each part's K must be a multiple of block_k."""
+    parts = tuple(rhs_gkn) if isinstance(rhs_gkn, (tuple, list)) else (rhs_gkn,)
+    if not parts:
+        raise ValueError("rhs_gkn must be an array or a non-empty tuple of arrays")
+    names = ("rhs",) if len(parts) == 1 else tuple(f"rhs[{i}]" for i in range(len(parts)))
+    _check_inputs(lhs_mk, parts, group_sizes_g, names)
     num_rows = _num_rows(lhs_mk, lhs_rows_m)
     k = lhs_mk.shape[1]
-    _, rk, rn = rhs_gkn.shape
+    _, rk, rn = parts[0].shape
     if transpose_rhs:
         rk, rn = rn, rk
+    part_k, rk = rk, rk * len(parts)
     if rk != k:
-        raise ValueError(
-            f"lhs K={k} must equal rhs K={rk} (rhs shape {rhs_gkn.shape}, {transpose_rhs=})"
-        )
+        shapes = parts[0].shape if len(parts) == 1 else f"{len(parts)} x {parts[0].shape}"
+        raise ValueError(f"lhs K={k} must equal rhs K={rk} (rhs shape {shapes}, {transpose_rhs=})")
     out_dtype = jnp.dtype(lhs_mk.dtype if out_dtype is None else out_dtype)
     if out_dtype not in (jnp.dtype(lhs_mk.dtype), jnp.dtype(jnp.float32)):
         raise ValueError(f"out_dtype {out_dtype} must be the lhs dtype {lhs_mk.dtype} or float32")
@@ -835,10 +867,15 @@ def gmm(
         out_itemsize=out_dtype.itemsize,
         nr=1,
     )
+    if part_k % config.block_k:
+        raise ValueError(
+            f"each of the {len(parts)} rhs parts holds K={part_k}: it must be a multiple of "
+            f"block_k={config.block_k}"
+        )
     _check_rows(lhs_mk, lhs_rows_m, config)
     return _grouped_call(
         lhs_mk,
-        (rhs_gkn,),
+        parts,
         group_sizes_g,
         transpose_rhs=transpose_rhs,
         row_scale_m=row_scale_m,
@@ -847,6 +884,7 @@ def gmm(
         config=config,
         swiglu=False,
         interpret=interpret,
+        rhs_k_parts=len(parts),
     )
 
 

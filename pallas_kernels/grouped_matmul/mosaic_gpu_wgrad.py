@@ -132,8 +132,7 @@ def _tgmm_kernel(
     blocks_g_ref,
     lhs_mk_ref,
     rhs_mn_ref,
-    out_gkn_ref,
-    *,
+    *out_refs,
     config: TileConfig,
     num_groups: int,
 ):
@@ -185,6 +184,10 @@ def _tgmm_kernel(
          interpreter does not model multicast (each CTA copies its own source), so the
          interpret tests hold the arrivals, phases and tile mapping, and the GPU test
          (test_gpu_clusters_of_two_k_tiles_give_the_single_cta_bits) the cross-CTA side.
+      8. With several outputs (`out_parts`), output p holds columns [p * N / P, (p + 1) * N / P)
+         of the one product: a unit's N tile lies in one part (N / P is a multiple of the
+         tile width, checked) and is stored there; the units, their rows and their order are
+         those of the single output, so each part has the bits of its columns of it.
     """
     num_k, num_n = lhs_mk_ref.shape[1], rhs_mn_ref.shape[1]
     # Names in this kernel: block_m rows of a group per step, an output tile [tile_k, tile_n].
@@ -198,7 +201,8 @@ def _tgmm_kernel(
     # With clusters, a unit is a pair of K tiles (invariant 7).
     units_k //= config.cluster_m
     epilogue_k, epilogue_n = config.epilogue_tile
-    out_dtype = out_gkn_ref.dtype
+    out_dtype = out_refs[0].dtype
+    part_units_n = units_n // len(out_refs)  # N tiles of each output part (invariant 8)
     in_dtype = lhs_mk_ref.dtype
 
     units_per_group = units_k * units_n
@@ -355,18 +359,28 @@ def _tgmm_kernel(
                     # The previous unit's stores must have read out_smem before it is reused.
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                     k_slice = pl.ds(k_idx * tile_k, tile_k)
-                    n_slice = pl.ds(n_idx * tile_n, tile_n)
-                    out_tile = out_gkn_ref.at[g, k_slice, n_slice].at[:, wg_n_slice]
-                    sub_n = wg_tile_n // epilogue_n
-                    for ek in range(tile_k // epilogue_k):
-                        for en in range(sub_n):
-                            slot = (ek * sub_n + en) % 2
-                            rows = slice(ek * epilogue_k, (ek + 1) * epilogue_k)
-                            cols = slice(en * epilogue_n, (en + 1) * epilogue_n)
-                            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                            out_smem[wg, slot] = acc[rows, cols]
-                            plgpu.commit_smem()
-                            plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], out_tile.at[rows, cols])
+
+                    def store(out_ref, part):
+                        n_slice = pl.ds((n_idx - part * part_units_n) * tile_n, tile_n)
+                        out_tile = out_ref.at[g, k_slice, n_slice].at[:, wg_n_slice]
+                        sub_n = wg_tile_n // epilogue_n
+                        for ek in range(tile_k // epilogue_k):
+                            for en in range(sub_n):
+                                slot = (ek * sub_n + en) % 2
+                                rows = slice(ek * epilogue_k, (ek + 1) * epilogue_k)
+                                cols = slice(en * epilogue_n, (en + 1) * epilogue_n)
+                                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                                out_smem[wg, slot] = acc[rows, cols]
+                                plgpu.commit_smem()
+                                plgpu.copy_smem_to_gmem(
+                                    out_smem.at[wg, slot], out_tile.at[rows, cols]
+                                )
+
+                    if len(out_refs) == 1:
+                        store(out_refs[0], 0)
+                    for part, out_ref in enumerate(out_refs if len(out_refs) > 1 else ()):
+                        in_part = n_idx // part_units_n == part
+                        pl.when(in_part)(functools.partial(store, out_ref, part))
 
                 pl.run_scoped(acc_scope, plgpu.ACC((tile_k, wg_tile_n), jnp.float32))
                 return step0 + num_blocks
@@ -381,9 +395,15 @@ def tgmm(
     *,
     config: TileConfig | None = None,
     out_dtype: Any = jnp.float32,
+    out_parts: int = 1,
     interpret: bool | plgpu.InterpretGPUParams = False,
-) -> Array:
+) -> Array | tuple[Array, ...]:
     """[G, K, N]: per group g, lhs[rows of g].T @ rhs[rows of g] (see reference.tgmm).
+
+    With out_parts = P > 1, a tuple of P arrays [G, K, N / P]: the product's consecutive column
+    blocks, stored by the kernel into separate arrays (invariant 8; the backward's d_w_gate and
+    d_w_up without slicing a [G, K, 2F] product), each the bits of its columns of the single
+    product. N / P must be a multiple of the tile width (block_n).
 
     lhs_mk: [M, K] and rhs_mn: [M, N], bf16 or f16 (the same); group_sizes_g: int32 [G].
     K and N must be multiples of 64 (with config.cluster_m = 2, K must also hold an even number
@@ -412,10 +432,20 @@ def tgmm(
     out_dtype = jnp.dtype(out_dtype)
     if out_dtype not in _OUTPUT_DTYPES:
         raise ValueError(f"{out_dtype=} must be float32, bfloat16 or float16")
+    if not isinstance(out_parts, int) or out_parts < 1 or num_n % (64 * out_parts):
+        raise ValueError(
+            f"{out_parts=} must be a positive int dividing N={num_n} into multiples of 64"
+        )
+    part_n = num_n // out_parts
     num_groups = group_sizes_g.shape[0]
     if config is None:
-        config = default_config(num_k, num_n)
+        config = default_config(num_k, part_n)
     check_config(config)
+    if out_parts > 1 and part_n % config.block_n:
+        raise ValueError(
+            f"each of the {out_parts} output parts holds N={part_n} columns: it must be a "
+            f"multiple of block_n={config.block_n}"
+        )
     if config.cluster_m == 2 and pl.cdiv(num_k, config.block_m) % 2:
         raise ValueError(
             f"cluster_m=2 pairs K tiles: K={num_k} / block_m={config.block_m} must give an even "
@@ -428,10 +458,9 @@ def tgmm(
             f"values is {epilogue_row_bytes} bytes: it must be a multiple of 32 (the smallest "
             f"SMEM swizzle)"
         )
-    if num_groups == 0:
-        return jnp.zeros((0, num_k, num_n), out_dtype)
-    if num_rows == 0:
-        return jnp.zeros((num_groups, num_k, num_n), out_dtype)
+    if num_groups == 0 or num_rows == 0:
+        zeros = jnp.zeros((num_groups, num_k, part_n), out_dtype)
+        return zeros if out_parts == 1 else (zeros,) * out_parts
     # Group bounds clipped at M: rows past M belong to no group (as in reference.group_ids).
     blocks_g = row_blocks(group_sizes_g, num_rows=num_rows, block_rows=config.block_k)
     # TMA views the rows in whole 8-row tiles, and its box (block_k rows) may not be taller
@@ -453,9 +482,10 @@ def tgmm(
         grid_size = config.grid_size or tuning.persistent_grid_size(cluster_size=config.cluster_m)
         interpret_params = None
     cluster = config.cluster_m
+    out_type = jax.ShapeDtypeStruct((num_groups, num_k, part_n), out_dtype)
     kernel = plgpu.kernel(
         functools.partial(_tgmm_kernel, config=config, num_groups=num_groups),
-        out_type=jax.ShapeDtypeStruct((num_groups, num_k, num_n), out_dtype),
+        out_type=out_type if out_parts == 1 else (out_type,) * out_parts,
         grid=(max(1, grid_size // cluster),),
         grid_names=(_SM_AXIS,),
         **({} if cluster == 1 else {"cluster": (cluster,), "cluster_names": (_CLUSTER_AXIS,)}),

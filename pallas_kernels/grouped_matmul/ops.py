@@ -11,8 +11,9 @@
   gmm_swiglu  h = silu(lhs @ w_gate[g]) * (lhs @ w_up[g])
               the backward recomputes gate and up (two f32 gmm calls; nothing stored), forms
               d_gate = dh * up * silu'(gate) and d_up = dh * silu(gate) in f32, casts them to
-              the compute dtype, and runs ONE transposed gmm over [d_gate | d_up] (K = 2F) for
-              d_lhs and ONE tgmm for [d_w_gate | d_w_up].
+              the compute dtype, and runs ONE transposed gmm over [d_gate | d_up] (K = 2F, the
+              weights read in two parts: no [w_gate | w_up] copy) for d_lhs and ONE tgmm for
+              [d_w_gate | d_w_up] (stored as two arrays: no slices of a [G, K, 2F] product).
 
   swiglu_mlp  y = s * (swiglu(lhs @ w_gate[g], lhs @ w_up[g]) @ w_down[g]) in f32 (s optional),
               the whole expert MLP in one VJP, so that its backward computes gate and up ONCE
@@ -214,15 +215,16 @@ def _swiglu_input_grads(static, residuals, gate, up, dh):
     d_gate = dh * up * (sig * (1.0 + gate * (1.0 - sig)))
     d_up = dh * (gate * sig)
     d_gate_up = jnp.concatenate([d_gate, d_up], axis=1).astype(lhs.dtype)
-    # One transposed gmm over K = 2F: d_lhs = [d_gate | d_up] @ [w_gate | w_up][g].T
-    w_gate_up = jnp.concatenate([w_gate, w_up], axis=2)
+    # One transposed gmm over K = 2F: d_lhs = [d_gate | d_up] @ [w_gate | w_up][g].T, the
+    # weights read as two parts along K (no concatenated copy of them).
     d_lhs = mosaic_gpu.gmm(
-        d_gate_up, w_gate_up, group_sizes, transpose_rhs=True, interpret=static.interpret
+        d_gate_up, (w_gate, w_up), group_sizes, transpose_rhs=True, interpret=static.interpret
     )
-    d_w = tgmm(lhs, d_gate_up, group_sizes, out_dtype=w_gate.dtype, interpret=static.interpret)
-    f = w_gate.shape[2]
-    d_w = _like(d_w, w_gate)
-    return _like(d_lhs, lhs), d_w[:, :, :f], d_w[:, :, f:], None
+    # ONE tgmm for [d_w_gate | d_w_up], stored as two arrays (no slicing copies).
+    d_w_gate, d_w_up = tgmm(
+        lhs, d_gate_up, group_sizes, out_dtype=w_gate.dtype, out_parts=2, interpret=static.interpret
+    )
+    return _like(d_lhs, lhs), _like(d_w_gate, w_gate), _like(d_w_up, w_up), None
 
 
 _gmm_swiglu.defvjp(_gmm_swiglu_fwd, _gmm_swiglu_bwd)

@@ -140,6 +140,30 @@ def test_gmm_swiglu_gate_up_out_are_the_products_bits(case):
         chex.assert_trees_all_equal(out[past], jnp.zeros_like(out)[past])
 
 
+@pytest.mark.parametrize("num_parts", [2, 3])
+@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["forward", "dgrad"])
+def test_rhs_parts_give_the_bits_of_the_concatenated_rhs(transpose_rhs, num_parts):
+    """Invariant 9: an rhs in parts along K gives the concatenated rhs's bits (with a row scale
+    too); a part swap gives other values, so the test sees which part a K step reads."""
+    m, part_k, n, sizes = 131, 128, 128, (3, 60, 2, 1, 64)
+    lhs, _, group_sizes, scale, key = _inputs(m, part_k * num_parts, n, sizes)
+    shape = (len(sizes), n, part_k) if transpose_rhs else (len(sizes), part_k, n)
+    keys = jax.random.split(key, num_parts)
+    parts = tuple(jax.random.normal(k, shape, jnp.float32).astype(lhs.dtype) for k in keys)
+    whole = jnp.concatenate(parts, axis=2 if transpose_rhs else 1)
+    run = dict(transpose_rhs=transpose_rhs, config=SMALL, interpret=True)
+    out = mosaic_gpu.gmm(lhs, parts, group_sizes, **run)
+    chex.assert_trees_all_equal(out, mosaic_gpu.gmm(lhs, whole, group_sizes, **run))
+    if not transpose_rhs:
+        scaled = dict(run, row_scale_m=scale, out_dtype=jnp.float32)
+        chex.assert_trees_all_equal(
+            mosaic_gpu.gmm(lhs, parts, group_sizes, **scaled),
+            mosaic_gpu.gmm(lhs, whole, group_sizes, **scaled),
+        )
+    swapped = mosaic_gpu.gmm(lhs, parts[::-1], group_sizes, **run)
+    assert not np.array_equal(np.asarray(swapped), np.asarray(out))
+
+
 # Whole 64-row groups with many empty ones: every program runs several matmul tiles back to back.
 def _gmm_or_swiglu(product, lhs, w_gate, w_up, group_sizes, config, interpret):
     """(kernel output, reference) of gmm(lhs, w_gate) or gmm_swiglu(lhs, w_gate, w_up)."""
@@ -398,6 +422,16 @@ def _bad_call(kind):
             lhs, rhs, sizes, config=TileConfig(block_n=128, max_concurrent_steps=12)
         ),
         "swiglu_up": lambda: mosaic_gpu.gmm_swiglu(lhs, rhs, rhs[:, :, :64], sizes),
+        "parts_k": lambda: mosaic_gpu.gmm(lhs, (rhs, rhs), sizes),
+        "parts_shape": lambda: mosaic_gpu.gmm(lhs, (rhs[:, :64], rhs[:, :64, :64]), sizes),
+        "parts_tile": lambda: mosaic_gpu.gmm(
+            lhs,
+            (rhs[:, :64], rhs[:, :64]),
+            sizes,
+            config=dataclasses.replace(SMALL, block_k=128),
+            interpret=True,
+        ),
+        "parts_empty": lambda: mosaic_gpu.gmm(lhs, (), sizes),
         "epi_row": lambda: mosaic_gpu.gmm(
             lhs, rhs, sizes, config=dataclasses.replace(SMALL, epi_block_n=32), interpret=True
         ),
@@ -423,6 +457,10 @@ def _bad_call(kind):
         ("scale", r"row_scale_m must be float32 \[M=64\], got float32 \(10,\)"),
         ("smem", "bytes of shared memory, more than the"),
         ("swiglu_up", r"w_up shape \(1, 128, 64\) must equal w_gate shape \(1, 128, 128\)"),
+        ("parts_k", r"lhs K=128 must equal rhs K=256 \(rhs shape 2 x \(1, 128, 128\)"),
+        ("parts_shape", r"rhs\[1\] shape \(1, 64, 64\) must equal rhs\[0\] shape \(1, 64, 128\)"),
+        ("parts_tile", "each of the 2 rhs parts holds K=64: it must be a multiple of block_k=128"),
+        ("parts_empty", "rhs_gkn must be an array or a non-empty tuple of arrays"),
         (
             "epi_row",
             "epi_block_n=32 x 2-byte outputs = 64 bytes a row: it must be a multiple of 128",
@@ -452,6 +490,7 @@ def _lowered_text(fn, *args):
         "gmm",
         "gmm_odd_rows",
         "dgrad",
+        "dgrad_k_parts",
         "weighted_f32",
         "swiglu",
         "swiglu_gate_up_out",
@@ -480,6 +519,14 @@ def test_lowers_for_cuda_at_real_size(product):
         text = _lowered_text(
             lambda a, b, s: mosaic_gpu.gmm(a, b, s, transpose_rhs=True),
             _S((M, N), bf16),
+            _S((G, K, N), bf16),
+            sizes,
+        )
+    elif product == "dgrad_k_parts":  # the backward's [d_gate | d_up] @ [w_gate | w_up].T
+        text = _lowered_text(
+            lambda a, b, c, s: mosaic_gpu.gmm(a, (b, c), s, transpose_rhs=True),
+            _S((M, 2 * N), bf16),
+            _S((G, K, N), bf16),
             _S((G, K, N), bf16),
             sizes,
         )

@@ -91,6 +91,35 @@ def test_matches_reference(num_rows, num_k, num_n, sizes, config):
     _assert_matches_reference(out, lhs, rhs, group_sizes)
 
 
+@pytest.mark.parametrize("config", [SMALL, SMALL_ONE_CONSUMER], ids=["two", "one_consumer"])
+@pytest.mark.parametrize("out_parts", [2, 3])
+def test_output_parts_are_the_single_outputs_columns_bits(out_parts, config):
+    """Invariant 8: out_parts splits the product's columns between arrays, bit for bit."""
+    num_n = out_parts * config.block_n
+    lhs, rhs = _inputs(4, 203, 128, num_n)
+    group_sizes = jnp.asarray([17, 45, 0, 3, 70, 31, 37], jnp.int32)
+    whole = tgmm(lhs, rhs, group_sizes, config=config, interpret=True)
+    parts = tgmm(lhs, rhs, group_sizes, config=config, out_parts=out_parts, interpret=True)
+    assert isinstance(parts, tuple) and len(parts) == out_parts
+    chex.assert_trees_all_equal(parts, tuple(jnp.split(whole, out_parts, axis=2)))
+    _assert_matches_reference(whole, lhs, rhs, group_sizes)
+
+
+def test_output_parts_of_no_rows_are_zeros_and_bad_parts_raise():
+    lhs, rhs = _inputs(5, 64, 64, 256)
+    parts = tgmm(lhs, rhs, jnp.zeros((2,), jnp.int32), out_parts=2, interpret=True)
+    chex.assert_trees_all_equal(parts, (jnp.zeros((2, 64, 128), jnp.float32),) * 2)
+    empty = tgmm(lhs[:0], rhs[:0], jnp.zeros((2,), jnp.int32), out_parts=2, interpret=True)
+    chex.assert_trees_all_equal(empty, (jnp.zeros((2, 64, 128), jnp.float32),) * 2)
+    sizes = jnp.asarray([64], jnp.int32)
+    with pytest.raises(ValueError, match="out_parts=3 must be a positive int dividing N=256"):
+        tgmm(lhs, rhs, sizes, out_parts=3, interpret=True)
+    with pytest.raises(ValueError, match="out_parts=0 must be a positive int"):
+        tgmm(lhs, rhs, sizes, out_parts=0, interpret=True)
+    with pytest.raises(ValueError, match="each of the 4 output parts holds N=64 columns"):
+        tgmm(lhs, rhs, sizes, config=SMALL, out_parts=4, interpret=True)
+
+
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float16])
 def test_narrow_outputs_and_f16_inputs(out_dtype):
     lhs, rhs = _inputs(3, 120, 64, 128, dtype=jnp.float16)
@@ -412,6 +441,7 @@ def test_default_config_fits_the_shape(num_k, num_n):
             ),
         ),
         (37, 64, 128, 3, SMALL),  # M not a multiple of 8: padded
+        (131072, 2048, 1536, 128, "parts"),  # [d_w_gate | d_w_up] stored as two arrays
         (16384, 4096, 28672, 8, TileConfig(block_n=256, max_concurrent_steps=3, cluster_m=2)),
     ],
 )
@@ -424,7 +454,13 @@ def test_lowers_for_cuda(num_rows, num_k, num_n, num_groups, config):
     )
     with jax.sharding.use_abstract_mesh(H200):
         lowered = (
-            jax.jit(lambda a, b, s: tgmm(a, b, s, config=config))
+            jax.jit(
+                lambda a, b, s: (
+                    tgmm(a, b, s, out_parts=2)
+                    if config == "parts"
+                    else tgmm(a, b, s, config=config)
+                )
+            )
             .trace(*args)
             .lower(lowering_platforms=("cuda",))
         )

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import chex
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -166,6 +167,34 @@ def test_swiglu_mlp_grads_from_the_saved_gate_up():
     chex.assert_trees_all_equal(from_saved[5], recomputed[5])  # d_s
     for i in (0, 1, 2):  # d_lhs, d_w_gate, d_w_up
         _assert_close(from_saved[i], recomputed[i], jnp.bfloat16)
+
+
+def _shapes_in(jaxpr) -> set[tuple[int, ...]]:
+    """The shapes of every value a jaxpr (and each jaxpr inside it) computes."""
+    shapes = set()
+    for eqn in jaxpr.eqns:
+        shapes.update(tuple(v.aval.shape) for v in eqn.outvars)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            shapes |= _shapes_in(sub)
+    return shapes
+
+
+def test_swiglu_mlp_backward_makes_no_gate_up_weight_copies():
+    """The backward reads [w_gate | w_up] in two parts and stores [d_w_gate | d_w_up] as two
+    arrays: no [G, K, 2F] array (a concatenated weight copy, or a product to slice) exists."""
+    t = _inputs(*CASES[0])
+    g, k, f = t["w"].shape
+
+    def grads(x, a, b, c):
+        def loss(*w):
+            y = ops.swiglu_mlp(*w, t["sizes"], row_scale_m=t["scale"], interpret=True)
+            return jnp.sum(y * t["cotangent"])
+
+        return jax.grad(loss, argnums=(0, 1, 2, 3))(x, a, b, c)
+
+    shapes = _shapes_in(jax.make_jaxpr(grads)(t["x"], t["w"], t["w2"], t["w_t"]).jaxpr)
+    assert (g, k, f) in shapes  # the search sees the weight gradients
+    assert (g, k, 2 * f) not in shapes
 
 
 def test_group_sizes_get_no_gradient():
