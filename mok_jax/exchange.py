@@ -141,7 +141,9 @@ def window_experts(t: Traffic, me: Array, round_index: Array, window: int) -> Ar
     mine_sg = lax.dynamic_slice_in_dim(t.counts_se, me * g, g, axis=1)
     ends_sg = t.recv_off_sd[:, me, None] + jnp.cumsum(mine_sg, axis=1, dtype=jnp.int32)
     position_w = round_index * window + jnp.arange(window, dtype=jnp.int32)
-    flat_w = jnp.searchsorted(ends_sg.reshape(-1), position_w, side="right").astype(jnp.int32)
+    flat_w = jnp.searchsorted(
+        ends_sg.reshape(-1), position_w, side="right", method="scan_unrolled"
+    ).astype(jnp.int32)
     return jnp.where(position_w < t.recv_total_d[me], flat_w % g, g)
 
 
@@ -170,7 +172,9 @@ def chunk_rows(t: Traffic, source: Array, dest: Array, round_index: Array, chunk
     valid_c = rank_c < t.send_sd[source, dest]
     index_c = jnp.where(valid_c, t.send_start_sd[source, dest] + rank_c, -1)
     counts_g = lax.dynamic_slice_in_dim(t.counts_se[source], dest * g, g)
-    experts_c = jnp.searchsorted(jnp.cumsum(counts_g, dtype=jnp.int32), rank_c, side="right")
+    experts_c = jnp.searchsorted(
+        jnp.cumsum(counts_g, dtype=jnp.int32), rank_c, side="right", method="scan_unrolled"
+    )
     return index_c, jnp.where(valid_c, experts_c.astype(jnp.int32), g)
 
 
@@ -206,7 +210,7 @@ def _dense(operand_ad: Array, tr: Transfer, out_rows: int, axis: str) -> Array:
     # Chunks sit in peer order in the output (invariant 2): find each output row's peer.
     ends_p = tr.recv_offsets + tr.recv_sizes
     row_o = jnp.arange(out_rows, dtype=jnp.int32)
-    peer_o = jnp.searchsorted(ends_p, row_o, side="right").astype(jnp.int32)
+    peer_o = jnp.searchsorted(ends_p, row_o, side="right", method="scan_unrolled").astype(jnp.int32)
     peer_c = jnp.minimum(peer_o, ends_p.shape[0] - 1)
     lane_o = row_o - tr.recv_offsets[peer_c]
     valid_o = (peer_o < ends_p.shape[0]) & (lane_o >= 0) & (lane_o < tr.recv_sizes[peer_c])

@@ -63,8 +63,14 @@ def make_plan(experts_tk: Array, num_experts: int, capacity: int | None = None) 
     inverse_n = jnp.zeros_like(order_n).at[order_n].set(positions_n, unique_indices=True)
     sorted_experts_n = experts_n[order_n]
     expert_ids = jnp.arange(num_experts, dtype=jnp.int32)
-    starts_e = jnp.searchsorted(sorted_experts_n, expert_ids, side="left").astype(jnp.int32)
-    ends_e = jnp.searchsorted(sorted_experts_n, expert_ids, side="right").astype(jnp.int32)
+    # Binary searches with their steps unrolled (here and in tiles, exchange, routed): jnp's
+    # default runs them as a while loop, one GPU launch a step; integer results are the same.
+    starts_e = jnp.searchsorted(
+        sorted_experts_n, expert_ids, side="left", method="scan_unrolled"
+    ).astype(jnp.int32)
+    ends_e = jnp.searchsorted(
+        sorted_experts_n, expert_ids, side="right", method="scan_unrolled"
+    ).astype(jnp.int32)
     keep_n = None
     if capacity is not None:
         rank_in_expert_n = inverse_n - starts_e[experts_n]

@@ -132,7 +132,7 @@ def _ring_round(r, x_nd, weights, t: exchange.Traffic, spec: RoutedSpec) -> Arra
 def _dest_of_rows(t: exchange.Traffic, me: Array, num_rows: int) -> Array:
     ends_d = t.send_start_sd[me] + t.send_sd[me]
     row_n = jnp.arange(num_rows, dtype=jnp.int32)
-    return jnp.searchsorted(ends_d, row_n, side="right").astype(jnp.int32)
+    return jnp.searchsorted(ends_d, row_n, side="right", method="scan_unrolled").astype(jnp.int32)
 
 
 def _plan_rounds(t: exchange.Traffic, num_rows: int, spec: RoutedSpec):

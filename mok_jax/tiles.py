@@ -191,15 +191,21 @@ def tile_layout(expert_r: Array, num_local: int, row_tile: int) -> TileLayout:
     order_r = jnp.argsort(expert_r, stable=True).astype(jnp.int32)
     sorted_expert_r = expert_r[order_r]
     expert_ids = jnp.arange(num_local, dtype=jnp.int32)
-    starts_g = jnp.searchsorted(sorted_expert_r, expert_ids, side="left").astype(jnp.int32)
-    sizes_g = jnp.searchsorted(sorted_expert_r, expert_ids, side="right").astype(jnp.int32)
+    starts_g = jnp.searchsorted(
+        sorted_expert_r, expert_ids, side="left", method="scan_unrolled"
+    ).astype(jnp.int32)
+    sizes_g = jnp.searchsorted(
+        sorted_expert_r, expert_ids, side="right", method="scan_unrolled"
+    ).astype(jnp.int32)
     sizes_g = sizes_g - starts_g
     tiles_g = (sizes_g + row_tile - 1) // row_tile
     tile_ends_g = jnp.cumsum(tiles_g, dtype=jnp.int32)
     tile_starts_g = tile_ends_g - tiles_g
     # Slot -> row (gathers only).
     tile_u = jnp.arange(num_tiles, dtype=jnp.int32)
-    tile_expert_u = jnp.searchsorted(tile_ends_g, tile_u, side="right").astype(jnp.int32)
+    tile_expert_u = jnp.searchsorted(
+        tile_ends_g, tile_u, side="right", method="scan_unrolled"
+    ).astype(jnp.int32)
     tile_used_u = tile_expert_u < num_local
     tile_expert_u = jnp.minimum(tile_expert_u, num_local - 1)
     slot_q = jnp.arange(num_tiles * row_tile, dtype=jnp.int32)

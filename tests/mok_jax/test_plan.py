@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hypothesis.extra.numpy as hnp
+import jax
 import jax.numpy as jnp
 import numpy as np
 from hypothesis import given
@@ -61,3 +62,10 @@ def test_plan_dtypes_and_shapes():
         assert field.dtype == jnp.int32
     np.testing.assert_array_equal(plan.group_sizes_e, [1, 2, 1, 0])
     np.testing.assert_array_equal(plan.order_n, [1, 0, 2, 3])
+
+
+def test_plan_runs_no_loop():
+    # Every step of a while loop is a GPU launch; the plan's searches are unrolled.
+    experts = jnp.zeros((64, 2), jnp.int32)
+    compiled = jax.jit(lambda e: make_plan(e, 8, capacity=4)).lower(experts).compile()
+    assert " while(" not in compiled.as_text()
