@@ -1,7 +1,7 @@
 """First measurements of the fused forward's pieces on the GPU (issue 5).
 
     PYTHONPATH=. python3 -m bench.fused_probe --out FILE [--shapes qwen3,mixtral,dsv3]
-        [--layer qwen3]
+        [--layer qwen3] [--backward qwen3,mixtral,dsv3]
 
 At issue 5's layer shapes (one GPU, all experts local, uniform random routing through the
 layer's own plan), after checking the gathered kernel against the plain one bit for bit, times:
@@ -9,6 +9,15 @@ layer's own plan), after checking the gathered kernel against the plain one bit 
 - `swiglu`: the gate/up kernel on that copy (`mosaic_gpu.gmm_swiglu`);
 - `swiglu_gathered`: the same kernel reading its rows straight from x (`lhs_rows_m`, one 1-row
   TMA per row and K step), which replaces both;
+with --backward, the expert MLP's backward on the plan's rows (checked equal first):
+- `bwd_kernel`: `mosaic_gpu.gmm_swiglu_bwd`, gate, up and dy @ w_down.T in one kernel whose
+  epilogue forms h, [d_gate | d_up] and d_s;
+- `bwd_xla_epilogue`: the same outputs as the backward made them before it: three f32 gmm
+  calls, then XLA's elementwise pass over the f32 [M, F] products;
+- `bwd_all`: the whole backward, `ops.swiglu_mlp_grads` (the kernel, then d_w_down, d_lhs
+  with [w_gate | w_up] read in two parts, and [d_w_gate, d_w_up] stored as two arrays);
+- `bwd_all_before`: the whole backward as before, with the concatenated weights and sliced
+  weight gradients;
 and, with --layer, the whole layer (`mok_jax.moe`, forward, then forward+backward of
 sum(y * cotangent)) with implementation `pallas` against `fused`. Each time is the median of
 grouped_gemm_h200's samples (>= 5 ms of back-to-back calls each) after warm-up.
@@ -39,7 +48,8 @@ import jax.numpy as jnp
 from bench import grouped_gemm_h200 as gg
 from mok_jax import init_params, moe, presets
 from mok_jax.plan import make_plan
-from pallas_kernels.grouped_matmul import mosaic_gpu
+from pallas_kernels.grouped_matmul import mosaic_gpu, ops
+from pallas_kernels.grouped_matmul.mosaic_gpu_wgrad import tgmm
 
 WARMUP, TIMED, TARGET_SAMPLE_S = 2, 10, 0.005
 
@@ -145,6 +155,90 @@ def kernels(name: str, explore: bool = False) -> Iterator[dict]:
         yield record
 
 
+def _xla_epilogue(x, dy, w_gate, w_up, w_down, sizes, scale):
+    """gmm_swiglu_bwd's outputs as the backward made them before it: f32 gmm products, then
+    XLA's elementwise pass."""
+    gate, up = (mosaic_gpu.gmm(x, w, sizes, out_dtype=jnp.float32) for w in (w_gate, w_up))
+    g = mosaic_gpu.gmm(dy, w_down, sizes, transpose_rhs=True, out_dtype=jnp.float32)
+    h = (gate / (1.0 + jnp.exp(-gate)) * up).astype(x.dtype)
+    dh = g * scale[:, None]
+    sig = jax.nn.sigmoid(gate)
+    d_gate = dh * up * (sig * (1.0 + gate * (1.0 - sig)))
+    d_gate_up = jnp.concatenate([d_gate, dh * (gate * sig)], axis=1).astype(x.dtype)
+    return h, d_gate_up, jnp.sum(h.astype(jnp.float32) * g, axis=1)
+
+
+def _all_before(x, dy, w_gate, w_up, w_down, sizes, scale):
+    """The whole backward as before gmm_swiglu_bwd, weight copies and slices included."""
+    h, d_gate_up, d_s = _xla_epilogue(x, dy, w_gate, w_up, w_down, sizes, scale)
+    dy_down = (dy.astype(jnp.float32) * scale[:, None]).astype(x.dtype)
+    d_w_down = tgmm(h, dy_down, sizes, out_dtype=w_down.dtype)
+    w_gate_up = jnp.concatenate([w_gate, w_up], axis=2)
+    d_x = mosaic_gpu.gmm(d_gate_up, w_gate_up, sizes, transpose_rhs=True)
+    d_w = tgmm(x, d_gate_up, sizes, out_dtype=w_gate.dtype)
+    f = w_gate.shape[2]
+    return d_x, d_w[:, :, :f], d_w[:, :, f:], d_w_down, d_s
+
+
+def backward(name: str) -> Iterator[dict]:
+    """The expert MLP's backward pieces, new against before (module docstring)."""
+    cfg, tokens = _cfg(name)
+    d, f, e, k = cfg.d_model, cfg.d_ff, cfg.num_experts, cfg.top_k
+    keys = jax.random.split(jax.random.key(2), 7)
+    rows = tokens * k
+    x = jax.random.normal(keys[0], (rows, d), jnp.float32).astype(jnp.bfloat16)
+    dy = jax.random.normal(keys[1], (rows, d), jnp.float32).astype(jnp.bfloat16)
+    w_gate, w_up = (
+        (jax.random.normal(key, (e, d, f), jnp.float32) / 32).astype(jnp.bfloat16)
+        for key in keys[2:4]
+    )
+    w_down = (jax.random.normal(keys[4], (e, f, d), jnp.float32) / 32).astype(jnp.bfloat16)
+    scale = jax.random.uniform(keys[5], (rows,), jnp.float32, 0.5, 1.5)
+    experts = jax.random.randint(keys[6], (tokens, k), 0, e, jnp.int32)
+    sizes = make_plan(experts, e).group_sizes_e
+    args = (x, dy, w_gate, w_up, w_down, sizes, scale)
+
+    def bwd_kernel(*a):
+        return mosaic_gpu.gmm_swiglu_bwd(*a[:6], row_scale_m=a[6])
+
+    def bwd_all(x, dy, w_gate, w_up, w_down, sizes, scale):
+        grads = ops.swiglu_mlp_grads(x, w_gate, w_up, w_down, sizes, scale, dy)
+        return grads[:4] + grads[5:]
+
+    _progress(f"{name}: checking the backward kernel against the XLA epilogue")
+    new, before = jax.jit(bwd_kernel)(*args), jax.jit(_xla_epilogue)(*args)
+    checks = {"h_bitwise": bool(jnp.array_equal(new[0], before[0]))}
+    for label, a, b in (("d_gate_up", new[1], before[1]), ("d_s", new[2], before[2])):
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+        checks[f"{label}_rel_err"] = float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+    all_new, all_before = jax.jit(bwd_all)(*args), jax.jit(_all_before)(*args)
+    for i, label in enumerate(("d_x", "d_w_gate", "d_w_up", "d_w_down", "d_s")):
+        a, b = all_new[i].astype(jnp.float32), all_before[i].astype(jnp.float32)
+        checks[f"all_{label}_rel_err"] = float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+    _progress(f"{name}: {checks}")
+    if not checks["h_bitwise"] or max(v for key, v in checks.items() if key != "h_bitwise") > 0.02:
+        raise AssertionError(f"{name}: the new backward differs from the one before: {checks}")
+    passes = {"bwd_kernel": 3, "bwd_xla_epilogue": 3, "bwd_all": 8, "bwd_all_before": 8}
+    fns = {
+        "bwd_kernel": bwd_kernel,
+        "bwd_xla_epilogue": _xla_epilogue,
+        "bwd_all": bwd_all,
+        "bwd_all_before": _all_before,
+    }
+    for label, fn in fns.items():
+        _progress(f"{name} {label}: compiling and timing")
+        timing = _time(jax.jit(fn), *args)
+        flops = passes[label] * 2 * rows * d * f
+        yield {
+            "shape": name,
+            "what": label,
+            "gemm_passes": passes[label],
+            "tflops": flops / (timing["median_ms"] * 1e-3) / 1e12,
+            **timing,
+            **checks,
+        }
+
+
 def layer(name: str) -> list[dict]:
     """The layer, forward and forward+backward, `pallas` against `fused`."""
     cfg, tokens = _cfg(name)
@@ -182,6 +276,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--shapes", default="qwen3,mixtral,dsv3", help=f"of {sorted(SHAPES)}")
     parser.add_argument("--layer", default="", help="shapes to time the whole layer at")
     parser.add_argument("--explore", action="store_true", help="also time kernel variants")
+    parser.add_argument("--backward", default="", help="shapes to time the MLP backward at")
     args = parser.parse_args(argv)
     if jax.default_backend() != "gpu":
         parser.error("the probe times GPU kernels: no GPU backend here")
@@ -195,6 +290,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     todo = [
         (functools.partial(kernels, explore=args.explore), s) for s in args.shapes.split(",") if s
     ]
+    todo += [(backward, s) for s in args.backward.split(",") if s]
     todo += [(layer, s) for s in args.layer.split(",") if s]
     for fn, shape in todo:
         for record in fn(shape):

@@ -4,6 +4,9 @@
               (rhs[g(m)].T with transpose_rhs: rhs [G, N, K]; the input gradient of gmm)
               optionally each row times row_scale[m] (the routing weight), in f32
   gmm_swiglu  h[m] = silu(lhs[m] @ w_gate[g]) * (lhs[m] @ w_up[g])   -> [M, F]
+  gmm_swiglu_bwd  the expert MLP's backward up to its last GEMMs: gate, up (from lhs) and
+              g = dy @ w_down[g].T (from dy) in one pipeline, then h, [d_gate | d_up] and
+              d_s = rowsum(h * g) from the epilogue        -> [M, F], [M, 2F], [M]
 
 One persistent kernel per call: `grid_size` programs (one per streaming multiprocessor) walk a
 list of output tiles. A program has one producer warpgroup and one or two consumer warpgroups
@@ -80,6 +83,19 @@ Invariants (numbered; the tests check each):
      tiles and K steps, step k's rhs tile TMA-loaded from the part holding K slice k (one copy
      a step, as for one rhs), so the bits are those of the concatenation
      (test_rhs_parts_give_the_bits_of_the_concatenated_rhs).
+ 10. gmm_swiglu_bwd runs every tile of gmm_swiglu's schedule with a second lhs (dy) beside lhs:
+     a stage holds both lhs tiles and the w_gate, w_up and transposed w_down tiles (one
+     barrier, 2 + 3 arrivals), and a K step issues three wgmmas (gate and up read lhs, g reads
+     dy; each its own group for invariant 5) into three accumulators. The K steps of gate and
+     up are gmm_swiglu's, and the epilogue computes h with its formula, so h is gmm_swiglu's
+     bits (test_gmm_swiglu_bwd_matches_its_unfused_parts). The epilogue stores h, d_gate and
+     d_up as invariant 2 stores outputs (d_up at column F + the tile's), and with a row scale
+     each consumer's row sums of h * g over its columns, a 1-D TMA store of consumer_m f32 to
+     its own slot [row tile, column owner, rows] of a partials array (column owner: the column
+     tile, times 2 plus the consumer with consumer_dim "n"). Every slot of a tile that runs its
+     K loop is written once; `_row_sums` then gathers, for each row, the slots of the one tile
+     that stores the row (its group's, as invariant 2 picks it) and sums them in column order:
+     a fixed order, no atomics (test_gmm_swiglu_bwd_has_no_races_and_owns_each_partial_once).
 """
 
 from __future__ import annotations
@@ -204,15 +220,29 @@ def _kernel(
     interpret: bool,
     num_outs: int = 1,
     rhs_k_parts: int = 1,
+    swiglu_bwd: bool = False,
 ):
+    # swiglu_bwd (invariant 10): a second lhs (dy) and three rhs (w_gate, w_up with lhs, w_down
+    # transposed with dy); the outputs h, [d_gate | d_up] and the d_s partial sums.
+    dy_ref, refs = (refs[0], refs[1:]) if swiglu_bwd else (None, refs)
+    rhs_lhs = (0, 0, 1) if swiglu_bwd else (0,) * num_rhs  # the lhs each rhs multiplies
+    rhs_transposed = (False, False, True) if swiglu_bwd else (transpose_rhs,) * num_rhs
     # With gather_rows, row r of the product is lhs row rows_ref[r] (invariant 8).
     rows_ref, refs = (refs[0], refs[1:]) if gather_rows else (None, refs)
     # Each rhs as `rhs_k_parts` refs, its consecutive parts along K (invariant 9).
     rhs_refs = refs[: num_rhs * rhs_k_parts]
     scale_ref = refs[num_rhs * rhs_k_parts] if has_row_scale else None
     # The output, then (SwiGLU with gate_up_out) the gate and up projections, rounded alike.
+    # swiglu_bwd: h [M, F], [d_gate | d_up] [M, 2F], then with a row scale the d_s partials.
     out_refs = refs[len(refs) - num_outs :]
     out_ref = out_refs[0]
+    if swiglu_bwd:
+        f = out_ref.shape[1]
+        ds_ref = out_refs[2] if has_row_scale else None
+        # (output, its first column) of each value the epilogue stores.
+        stored_outputs = [(out_refs[0], 0), (out_refs[1], 0), (out_refs[1], f)]
+    else:
+        stored_outputs = [(ref, 0) for ref in out_refs]
     block_m, block_n, block_k = config.block_m, config.block_n, config.block_k
     consumer_m, consumer_n = config.consumer_m, config.consumer_n
     split_m = config.consumer_dim == "m"
@@ -226,7 +256,6 @@ def _kernel(
     out_dtype = out_ref.dtype
     in_dtype = lhs_ref.dtype
     transforms = _swizzled(in_dtype.itemsize)
-    rhs_block = (block_n, block_k) if transpose_rhs else (block_k, block_n)
     out_swizzle = plgpu.find_swizzle(epi_n * out_dtype.itemsize * 8)
     out_transforms = (
         plgpu.TilingTransform((_ROW_ALIGN, out_swizzle // out_dtype.itemsize)),
@@ -279,7 +308,7 @@ def _kernel(
         return tuple(schedule_ref[mi, j] for j in range(4))
 
     def tile_loop(body):
-        """Runs body(ni, group, row0, lo, hi, runs, step0) -> step count after the tile, for
+        """Runs body(mi, ni, group, row0, lo, hi, runs, step0) -> step count after the tile, for
         this program's output tiles in grid order, each tile's schedule loaded while the
         previous tile runs; returns the program's step count (invariant 6). `runs`: the tile
         runs its K loop (in every CTA of a cluster alike, invariant 7); [lo, hi): the rows of
@@ -287,11 +316,11 @@ def _kernel(
 
         @ring.prefetching_loop(num_tiles, fetch, axis="sm")
         def steps(lin, step0, values):
-            _, ni = tile_coords(lin)
+            mi, ni = tile_coords(lin)
             group, row0, lo, hi = values
             runs = (hi > lo) & (group < num_groups)
             row0, lo, hi = this_half(row0, lo, hi)
-            return body(ni, group, pl.multiple_of(row0, _ROW_ALIGN), lo, hi, runs, step0)
+            return body(mi, ni, group, pl.multiple_of(row0, _ROW_ALIGN), lo, hi, runs, step0)
 
         return steps
 
@@ -315,10 +344,21 @@ def _kernel(
     @functools.partial(
         pl.run_scoped,
         lhs_smem=lhs_stages,
+        dy_smem=(
+            [plgpu.SMEM((stages, block_m, block_k), in_dtype, transforms=transforms)]
+            if swiglu_bwd
+            else []
+        ),
         rhs_smems=[
-            plgpu.SMEM((stages, *rhs_block), in_dtype, transforms=transforms)
-            for _ in range(num_rhs)
+            plgpu.SMEM(
+                (stages, *((block_n, block_k) if transposed else (block_k, block_n))),
+                in_dtype,
+                transforms=transforms,
+            )
+            for transposed in rhs_transposed
         ],
+        # swiglu_bwd: each consumer's d_s partial sums of a tile, staged for a 1-D TMA store.
+        ds_smem=[plgpu.SMEM((num_consumers, consumer_m), jnp.float32)] if swiglu_bwd else [],
         # Epilogue buffers, two per consumer, seen two ways (never both at once): swizzled for
         # stores of whole 8-row tiles (bank-conflict free), plain for a sub-tile whose rows
         # start or end inside an 8-row tile (at group boundaries: rows are stored one by one).
@@ -331,7 +371,7 @@ def _kernel(
             for _ in range(num_consumers)
         ],
         loaded=plgpu.Barrier(
-            num_arrivals=(block_m if gather_rows else 1) + num_rhs,
+            num_arrivals=(block_m if gather_rows else 1) + int(swiglu_bwd) + num_rhs,
             num_barriers=stages,
         ),
         # With clusters, a stage is refilled (by the CTAs' multicasts) only after the
@@ -347,8 +387,9 @@ def _kernel(
         ),
         collective_axes="wg",
     )
-    def _scope(lhs_smem, rhs_smems, epi_smem, loaded, consumed):
+    def _scope(lhs_smem, dy_smem, rhs_smems, ds_smem, epi_smem, loaded, consumed):
         wg = lax.axis_index("wg")
+        lhs_smems = [lhs_smem, *dy_smem]  # lhs_smems[rhs_lhs[i]]: the lhs stages of rhs i
         if gather_rows:
             lhs_smem, lhs_row_smem = lhs_smem if not interpret else (lhs_smem, lhs_smem)
 
@@ -360,8 +401,8 @@ def _kernel(
             plgpu.set_max_registers(ring.PRODUCER_REGISTERS, action="decrease")
 
             @tile_loop
-            def num_steps(ni, group, row0, lo, hi, runs, step0):
-                del lo, hi
+            def num_steps(mi, ni, group, row0, lo, hi, runs, step0):
+                del mi, lo, hi
 
                 @pl.when(runs)
                 def _load_tile():
@@ -391,17 +432,28 @@ def _kernel(
                                 loaded.at[slot],
                                 collective_axes="cluster_n" if multicast_lhs else None,
                             )
+                        if swiglu_bwd:
+                            plgpu.copy_gmem_to_smem(
+                                dy_ref.at[pl.ds(row0, block_m), ks],
+                                dy_smem[0].at[slot],
+                                loaded.at[slot],
+                            )
                         ns = pl.ds(ni * block_n, block_n)
                         for index, rhs_smem in enumerate(rhs_smems):
                             parts = rhs_refs[index * rhs_k_parts : (index + 1) * rhs_k_parts]
                             # Invariant 9: step k reads its K slice from the part that holds it.
                             for part, rhs_ref in enumerate(parts):
 
-                                def _load_rhs(part=part, rhs_ref=rhs_ref, rhs_smem=rhs_smem):
+                                def _load_rhs(
+                                    part=part,
+                                    rhs_ref=rhs_ref,
+                                    rhs_smem=rhs_smem,
+                                    transposed=rhs_transposed[index],
+                                ):
                                     local = pl.ds((k - part * part_steps) * block_k, block_k)
                                     src = (
                                         rhs_ref.at[group, ns, local]
-                                        if transpose_rhs
+                                        if transposed
                                         else rhs_ref.at[group, local, ns]
                                     )
                                     plgpu.copy_gmem_to_smem(
@@ -457,30 +509,40 @@ def _kernel(
 
             def epilogue(outs_f32, row0, lo, hi, ni):
                 """Stores tile rows [lo, hi) of this consumer's [consumer_m, consumer_n] part
-                of each output (outs_f32, one value per out_ref), in [epi_m, epi_n] sub-tiles
-                through two shared-memory slots (invariant 2)."""
+                of each output, in [epi_m, epi_n] sub-tiles through two shared-memory slots
+                (invariant 2). outs_f32: a value per output of `stored_outputs`."""
                 # The previous tile's stores must have read the buffers before they are reused.
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                col0 = ni * block_n + col_off
                 sub = 0
-                for out_f32, dst_ref in zip(outs_f32, out_refs, strict=True):
+                for out_f32, (dst_ref, col_base) in zip(outs_f32, stored_outputs, strict=True):
+                    col0 = col_base + ni * block_n + col_off
                     out_cast = out_f32.astype(out_dtype)
-                    for mi in range(consumer_m // epi_m):
-                        for nj in range(consumer_n // epi_n):
-                            rows = pl.ds(row0 + row_off + mi * epi_m, epi_m)
+                    for em in range(consumer_m // epi_m):
+                        for en in range(consumer_n // epi_n):
+                            rows = pl.ds(row0 + row_off + em * epi_m, epi_m)
                             store_sub_tile(
                                 sub % 2,
                                 out_cast[
-                                    mi * epi_m : (mi + 1) * epi_m, nj * epi_n : (nj + 1) * epi_n
+                                    em * epi_m : (em + 1) * epi_m, en * epi_n : (en + 1) * epi_n
                                 ],
-                                dst_ref.at[rows, pl.ds(col0 + nj * epi_n, epi_n)],
-                                jnp.clip(lo - row_off - mi * epi_m, 0, epi_m),
-                                jnp.clip(hi - row_off - mi * epi_m, 0, epi_m),
+                                dst_ref.at[rows, pl.ds(col0 + en * epi_n, epi_n)],
+                                jnp.clip(lo - row_off - em * epi_m, 0, epi_m),
+                                jnp.clip(hi - row_off - em * epi_m, 0, epi_m),
                             )
                             sub += 1
 
+            def store_row_sums(sums, mi, ni):
+                """swiglu_bwd: this consumer's d_s partial sums of tile (mi, ni), one f32 a row
+                of its consumer_m rows, to ds_ref[mi, column owner, rows] (invariant 10)."""
+                owner = ni if split_m else ni * num_consumers + wg
+                ds_smem[0].at[wg][...] = sums
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(
+                    ds_smem[0].at[wg], ds_ref.at[mi, owner, pl.ds(row_off, consumer_m)]
+                )
+
             @tile_loop
-            def _tiles(ni, group, row0, lo, hi, runs, step0):
+            def _tiles(mi, ni, group, row0, lo, hi, runs, step0):
                 stores = hi > lo
 
                 # (a) A tile of a group: the K loop, then the epilogue (invariants 1, 3, 4, 5).
@@ -490,12 +552,13 @@ def _kernel(
                         step = step0 + k
                         slot = lax.rem(step, stages)
                         plgpu.barrier_wait(loaded.at[slot])
-                        lhs_tile = lhs_smem.at[slot]
+                        lhs_tiles = [smem.at[slot] for smem in lhs_smems]
                         if split_m:
-                            lhs_tile = lhs_tile.at[pl.ds(row_off, consumer_m)]
-                        for acc, rhs_smem in zip(accs, rhs_smems, strict=True):
+                            lhs_tiles = [t.at[pl.ds(row_off, consumer_m)] for t in lhs_tiles]
+                        for i, (acc, rhs_smem) in enumerate(zip(accs, rhs_smems, strict=True)):
+                            lhs_tile = lhs_tiles[rhs_lhs[i]]
                             rhs_tile = rhs_smem.at[slot]
-                            if transpose_rhs:
+                            if rhs_transposed[i]:
                                 if not split_m:
                                     rhs_tile = rhs_tile.at[pl.ds(col_off, consumer_n), :]
                                 rhs_tile = rhs_tile.transpose((1, 0))
@@ -526,6 +589,25 @@ def _kernel(
                         last_step = step0 + k_steps - 1
                         ring.release_last(consumed, last_step=last_step, delay=delay, stages=stages)
                         values = [acc[...] for acc in accs]
+                        if swiglu_bwd:
+                            # Invariant 10: h with the forward epilogue's formula (its bits),
+                            # dh = s * g, and SwiGLU's derivatives, all in f32.
+                            gate, up, g = values
+                            e = jnp.exp(-gate)
+                            h = gate / (1.0 + e) * up
+                            sig = 1.0 / (1.0 + e)
+                            dh = g
+                            if has_row_scale:
+                                dh = g * lax.broadcast_in_dim(scale, g.shape, [0])
+                            d_gate = dh * up * (sig * (1.0 + gate * (1.0 - sig)))
+                            d_up = dh * (gate * sig)
+                            epilogue([h, d_gate, d_up], row0, lo, hi, ni)
+                            if has_row_scale:
+                                # d_s = rowsum(h * g) over F: this tile's columns, from h
+                                # rounded as stored.
+                                h_stored = h.astype(out_dtype).astype(jnp.float32)
+                                store_row_sums(jnp.sum(h_stored * g, axis=1), mi, ni)
+                            return
                         if swiglu:
                             gate, up = values
                             out_f32 = gate / (1.0 + jnp.exp(-gate)) * up
@@ -546,7 +628,7 @@ def _kernel(
                     zeros = plgpu.layout_cast(
                         jnp.zeros((consumer_m, consumer_n), jnp.float32), plgpu.Layout.WGMMA
                     )
-                    epilogue([zeros] * num_outs, row0, lo, hi, ni)
+                    epilogue([zeros] * len(stored_outputs), row0, lo, hi, ni)
 
                 return step0 + jnp.where(runs, k_steps, 0)
 
@@ -585,6 +667,7 @@ def _default_config(
     out_itemsize: int,
     num_rhs: int,
     interpret: bool,
+    num_lhs: int = 1,
 ) -> TileConfig:
     """The table's tiles, with block_n narrowed (256 -> 128 -> 64 on one consumer) until it
     divides N, and stages dropped until they fit shared memory. Only defaults are narrowed: a
@@ -607,7 +690,10 @@ def _default_config(
         config = dataclasses.replace(config, cluster_n=1)
     limit = tuning.DEVICES[tuning.resolve_device_kind()].smem_bytes
     while (
-        config.smem_bytes(itemsize=itemsize, out_itemsize=out_itemsize, num_rhs=num_rhs) > limit
+        config.smem_bytes(
+            itemsize=itemsize, out_itemsize=out_itemsize, num_rhs=num_rhs, num_lhs=num_lhs
+        )
+        > limit
         and config.max_concurrent_steps > config.delay_release + 1
     ):
         config = dataclasses.replace(config, max_concurrent_steps=config.max_concurrent_steps - 1)
@@ -644,7 +730,9 @@ def default_config(
     )
 
 
-def _check_config(config: TileConfig, *, k: int, n: int, itemsize: int, out_itemsize: int, nr):
+def _check_config(
+    config: TileConfig, *, k: int, n: int, itemsize: int, out_itemsize: int, nr, num_lhs: int = 1
+):
     if k % config.block_k:
         raise ValueError(f"K={k} must be a multiple of block_k={config.block_k}")
     if n % config.block_n:
@@ -662,7 +750,9 @@ def _check_config(config: TileConfig, *, k: int, n: int, itemsize: int, out_item
             f"epi_block_n={config.epilogue_tile[1]} x {out_itemsize}-byte outputs = "
             f"{epi_row_bytes} bytes a row: it must be a multiple of 128"
         )
-    smem = config.smem_bytes(itemsize=itemsize, out_itemsize=out_itemsize, num_rhs=nr)
+    smem = config.smem_bytes(
+        itemsize=itemsize, out_itemsize=out_itemsize, num_rhs=nr, num_lhs=num_lhs
+    )
     limit = tuning.DEVICES[tuning.resolve_device_kind()].smem_bytes
     if smem > limit:
         raise ValueError(
@@ -723,13 +813,20 @@ def _grouped_call(
     interpret: bool | plgpu.InterpretGPUParams,
     num_outs: int = 1,
     rhs_k_parts: int = 1,
+    dy_mk: Array | None = None,
 ) -> Array | tuple[Array, ...]:
+    """The kernel call. With dy_mk (swiglu_bwd: rhs = w_gate, w_up, w_down), returns h, [d_gate
+    | d_up] and, with a row scale, the d_s partials [T, P, block_m] (see `_row_sums`)."""
     gather_rows = lhs_rows_m is not None
+    swiglu_bwd = dy_mk is not None
     num_rows = _num_rows(lhs_mk, lhs_rows_m)
     num_groups = rhs[0].shape[0]
     n = rhs[0].shape[1] if transpose_rhs else rhs[0].shape[2]
     if num_rows == 0 or num_groups == 0 or lhs_mk.shape[1] == 0:
         zeros = jnp.zeros((num_rows, n), out_dtype)
+        if swiglu_bwd:
+            grads = jnp.zeros((num_rows, 2 * n), out_dtype)
+            return (zeros, grads) + ((jnp.zeros((0, 1, 1), jnp.float32),) if num_outs == 3 else ())
         return zeros if num_outs == 1 else (zeros,) * num_outs
     block_m = config.block_m
     # With cluster_m = 2 a scheduled row tile is a pair of CTAs' tiles (invariant 7).
@@ -747,6 +844,8 @@ def _grouped_call(
         gathered = []
         if out_rows != num_rows:
             lhs_mk = jnp.pad(lhs_mk, ((0, out_rows - num_rows), (0, 0)))
+    if swiglu_bwd:
+        gathered = [jnp.pad(dy_mk, ((0, out_rows - num_rows), (0, 0)))]
     group_t, row0_t = tile_schedule(group_sizes_g, num_rows=num_rows, block_m=tile_m)
     starts_x, ends_x = group_bounds(group_sizes_g, num_rows=num_rows)
     # Per row tile: its group, first row and the rows [lo, hi) of it that it stores, one
@@ -774,11 +873,23 @@ def _grouped_call(
         interpret=_interpret_params(interpret) is not None,
         num_outs=num_outs,
         rhs_k_parts=rhs_k_parts,
+        swiglu_bwd=swiglu_bwd,
     )
     out_type = jax.ShapeDtypeStruct((out_rows, n), out_dtype)
+    if swiglu_bwd:
+        # h, [d_gate | d_up], then the d_s partials: per row tile, per column owner (a column
+        # tile, or each consumer's half of one), per row of the tile (invariant 10).
+        owners = (n // config.block_n) * (1 if config.consumer_dim == "m" else config.num_consumers)
+        out_types = (out_type, jax.ShapeDtypeStruct((out_rows, 2 * n), out_dtype)) + (
+            (jax.ShapeDtypeStruct((group_t.shape[0], owners, block_m), jnp.float32),)
+            if num_outs == 3
+            else ()
+        )
+    else:
+        out_types = out_type if num_outs == 1 else (out_type,) * num_outs
     outs = plgpu.kernel(
         body,
-        out_type=out_type if num_outs == 1 else (out_type,) * num_outs,
+        out_type=out_types,
         grid=(max(1, grid_size // config.cluster_size),),
         grid_names=("sm",),
         **(
@@ -795,6 +906,8 @@ def _grouped_call(
     )(*operands)
     if num_outs == 1:
         return outs[:num_rows] if out_rows != num_rows else outs
+    if swiglu_bwd:
+        return tuple(out[:num_rows] for out in outs[:2]) + tuple(outs[2:])
     return tuple(out[:num_rows] if out_rows != num_rows else out for out in outs)
 
 
@@ -944,11 +1057,116 @@ def gmm_swiglu(
     )
 
 
+def _row_sums(parts_tpb: Array, group_sizes_g: Array, *, num_rows: int, block_m: int) -> Array:
+    """f32 [M]: each row's sum of its partials, parts_tpb[t, :, b] of the tile t that stores it
+    (its group's tile holding it, at position b), summed over the column owners in order; 0 for
+    rows past every group. Gathers only (invariant 10)."""
+    starts_x, ends_x = group_bounds(group_sizes_g, num_rows=num_rows)
+    base_x = starts_x - starts_x % _ROW_ALIGN
+    tiles_x = jnp.where(ends_x > starts_x, (ends_x - base_x + block_m - 1) // block_m, 0)
+    first_tile_x = jnp.cumsum(tiles_x) - tiles_x
+    row_m = jnp.arange(num_rows, dtype=jnp.int32)
+    group_m = jnp.searchsorted(ends_x, row_m, side="right", method="scan_unrolled")
+    offset_m = row_m - base_x[group_m]
+    tile_m = first_tile_x[group_m] + offset_m // block_m
+    in_group = group_m < group_sizes_g.shape[0]
+    sums = jnp.sum(parts_tpb[jnp.where(in_group, tile_m, 0), :, offset_m % block_m], axis=1)
+    return jnp.where(in_group, sums, 0.0)
+
+
+def gmm_swiglu_bwd(
+    lhs_mk: Array,
+    dy_mn: Array,
+    w_gate_gkf: Array,
+    w_up_gkf: Array,
+    w_down_gfn: Array,
+    group_sizes_g: Array,
+    *,
+    row_scale_m: Array | None = None,
+    config: TileConfig | None = None,
+    interpret: bool | plgpu.InterpretGPUParams = False,
+) -> tuple[Array, Array, Array | None]:
+    """The expert MLP's backward up to its last GEMMs, in one kernel (invariant 10).
+
+    For y = s * (h @ w_down[g]), h = silu(gate) * up, gate = lhs @ w_gate[g], up = lhs @ w_up[g]
+    and the cotangent dy of y ([M, N] in lhs dtype), each output tile runs three products over
+    K = D in one pipeline, gate and up from lhs and g = dy @ w_down[g].T from dy, and its
+    epilogue forms, in f32 (dh = s * g):
+
+      h       [M, F] lhs dtype   the forward's bits (its epilogue formula)
+      d_gate_up [M, 2F]          [dh * up * silu'(gate) | dh * silu(gate)], lhs dtype
+      d_s     [M] f32            rowsum over F of h * g, h as stored (None without row_scale_m)
+
+    so no f32 [M, F] intermediate reaches HBM. The caller's remaining GEMMs: d_lhs =
+    gmm(d_gate_up, (w_gate, w_up), transpose_rhs=True), [d_w_gate, d_w_up] = tgmm(lhs,
+    d_gate_up, out_parts=2), d_w_down = tgmm(h, s * dy). Rows past sum(group_sizes_g) are 0
+    in every output. No gathered rows, no clusters.
+    """
+    _check_inputs(lhs_mk, (w_gate_gkf, w_up_gkf), group_sizes_g, ("w_gate", "w_up"))
+    num_rows, k = lhs_mk.shape
+    g, _, f = w_gate_gkf.shape
+    if w_gate_gkf.shape[1] != k:
+        raise ValueError(f"lhs K={k} must equal w_gate K (w_gate shape {w_gate_gkf.shape})")
+    if dy_mn.shape != (num_rows, k) or dy_mn.dtype != lhs_mk.dtype:
+        raise ValueError(
+            f"dy must be {lhs_mk.dtype} [M={num_rows}, N={k}] (N = lhs K), got {dy_mn.dtype} "
+            f"{dy_mn.shape}"
+        )
+    if w_down_gfn.shape != (g, f, k) or w_down_gfn.dtype != lhs_mk.dtype:
+        raise ValueError(
+            f"w_down must be {lhs_mk.dtype} [G={g}, F={f}, N={k}], got {w_down_gfn.dtype} "
+            f"{w_down_gfn.shape}"
+        )
+    if row_scale_m is not None and (
+        row_scale_m.shape != (num_rows,) or row_scale_m.dtype != jnp.float32
+    ):
+        raise ValueError(
+            f"row_scale_m must be float32 [M={num_rows}], got {row_scale_m.dtype} "
+            f"{row_scale_m.shape}"
+        )
+    itemsize = lhs_mk.dtype.itemsize
+    if config is None:
+        config = _default_config(
+            "gmm_swiglu_bwd",
+            n=f,
+            itemsize=itemsize,
+            out_itemsize=itemsize,
+            num_rhs=3,
+            num_lhs=2,
+            interpret=interpret,
+        )
+    if config.cluster_size != 1:
+        raise ValueError(f"gmm_swiglu_bwd runs without clusters, got {config}")
+    _check_config(config, k=k, n=f, itemsize=itemsize, out_itemsize=itemsize, nr=3, num_lhs=2)
+    outs = _grouped_call(
+        lhs_mk,
+        (w_gate_gkf, w_up_gkf, w_down_gfn),
+        group_sizes_g,
+        transpose_rhs=False,
+        row_scale_m=row_scale_m,
+        lhs_rows_m=None,
+        out_dtype=jnp.dtype(lhs_mk.dtype),
+        config=config,
+        swiglu=False,
+        interpret=interpret,
+        num_outs=2 if row_scale_m is None else 3,
+        dy_mk=dy_mn,
+    )
+    if row_scale_m is None:
+        return outs[0], outs[1], None
+    h, d_gate_up, parts_tpb = outs
+    if num_rows == 0 or g == 0 or k == 0:
+        return h, d_gate_up, jnp.zeros((num_rows,), jnp.float32)
+    d_s = _row_sums(parts_tpb, group_sizes_g, num_rows=num_rows, block_m=config.block_m)
+    return h, d_gate_up, d_s
+
+
 __all__ = [
     "INPUT_DTYPES",
     "default_config",
     "gmm",
     "gmm_swiglu",
+    "gmm_swiglu_bwd",
     "group_bounds",
     "tile_schedule",
 ]

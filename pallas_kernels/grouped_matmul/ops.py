@@ -16,13 +16,15 @@
               [d_w_gate | d_w_up] (stored as two arrays: no slices of a [G, K, 2F] product).
 
   swiglu_mlp  y = s * (swiglu(lhs @ w_gate[g], lhs @ w_up[g]) @ w_down[g]) in f32 (s optional),
-              the whole expert MLP in one VJP, so that its backward computes gate and up ONCE
-              (two f32 gmm calls; h = silu(gate) * up recomputed from them, nothing stored),
-              g = dy @ w_down[g].T in f32 ONCE (dy rounded to the compute dtype), dh = s * g,
-              d_s = rowsum(h * g) over F (no recomputed down projection), then gmm_swiglu's
-              d_lhs and weight gradients, and d_w_down = tgmm(h, s * dy): 8 GEMM passes
-              against the 11 of gmm_swiglu's and gmm's VJPs chained (whose h, gate/up and
-              unscaled output are each recomputed).
+              the whole expert MLP in one VJP. Its backward runs ONE kernel,
+              `mosaic_gpu.gmm_swiglu_bwd`, for gate and up (recomputed, nothing stored) and
+              g = dy @ w_down[g].T (dy rounded to the compute dtype), whose epilogue forms
+              h (the forward's bits), [d_gate | d_up] with dh = s * g, and d_s = rowsum(h * g)
+              over F (no recomputed down projection) without an f32 [M, F] array in HBM; then
+              gmm_swiglu's d_lhs and weight gradients, and d_w_down = tgmm(h, s * dy): 8 GEMM
+              passes in 4 kernels, against the 11 of gmm_swiglu's and gmm's VJPs chained (whose
+              h, gate/up and unscaled output are each recomputed). With `saved` (h, gate, up of
+              the forward) g is one gmm and the rest as gmm_swiglu's backward: 6 passes.
 Cotangents are cast to the compute dtype (lhs's) before they enter a kernel; weight gradients
 come out in the weights' dtype, input gradients in lhs's, d_s in f32. group_sizes gets no
 gradient. Every kernel call uses the defaults table's tiles (`tuning.py`).
@@ -210,11 +212,17 @@ def _gmm_swiglu_bwd(static, residuals, dh):
 def _swiglu_input_grads(static, residuals, gate, up, dh):
     """(d_lhs, d_w_gate, d_w_up, None) of h = silu(lhs @ w_gate) * (lhs @ w_up), from the f32
     gate, up and dh."""
-    lhs, w_gate, w_up, group_sizes = residuals
+    lhs = residuals[0]
     sig = jax.nn.sigmoid(gate)
     d_gate = dh * up * (sig * (1.0 + gate * (1.0 - sig)))
     d_up = dh * (gate * sig)
     d_gate_up = jnp.concatenate([d_gate, d_up], axis=1).astype(lhs.dtype)
+    return (*_gate_up_grads(static, residuals, d_gate_up), None)
+
+
+def _gate_up_grads(static, residuals, d_gate_up):
+    """(d_lhs, d_w_gate, d_w_up) from [d_gate | d_up] ([M, 2F], lhs dtype)."""
+    lhs, w_gate, w_up, group_sizes = residuals
     # One transposed gmm over K = 2F: d_lhs = [d_gate | d_up] @ [w_gate | w_up][g].T, the
     # weights read as two parts along K (no concatenated copy of them).
     d_lhs = mosaic_gpu.gmm(
@@ -224,7 +232,7 @@ def _swiglu_input_grads(static, residuals, gate, up, dh):
     d_w_gate, d_w_up = tgmm(
         lhs, d_gate_up, group_sizes, out_dtype=w_gate.dtype, out_parts=2, interpret=static.interpret
     )
-    return _like(d_lhs, lhs), _like(d_w_gate, w_gate), _like(d_w_up, w_up), None
+    return _like(d_lhs, lhs), _like(d_w_gate, w_gate), _like(d_w_up, w_up)
 
 
 _gmm_swiglu.defvjp(_gmm_swiglu_fwd, _gmm_swiglu_bwd)
@@ -289,14 +297,26 @@ def swiglu_mlp_grads(
     in-kernel). Outside shard_map, or with operands that already vary over the same mesh axes
     (`swiglu_mlp` aligns them; this function does not)."""
     static = _Static(interpret=interpret)
-    if saved is None:
-        gate, up = _gate_up(static, lhs, w_gate, w_up, group_sizes)
-        # The kernel epilogue's formula, so that h has the forward's bits.
-        h = (gate / (1.0 + jnp.exp(-gate)) * up).astype(lhs.dtype)
-    else:  # the forward's (gmm_swiglu(gate_up_out=True)): no GEMM here
-        h, gate, up = saved
-        gate, up = gate.astype(jnp.float32), up.astype(jnp.float32)
     dy_c = dy.astype(lhs.dtype)
+    scale = None if row_scale is None else row_scale.astype(jnp.float32)[:, None]
+    # dy times the row scale, for d_w_down.
+    dy_down = dy_c if scale is None else (dy.astype(jnp.float32) * scale).astype(lhs.dtype)
+    if saved is None:
+        # One kernel: gate, up and g = dy @ w_down.T over K = D, and from them (in its epilogue,
+        # nothing f32 stored) h, [d_gate | d_up] and d_s.
+        h, d_gate_up, d_scale = mosaic_gpu.gmm_swiglu_bwd(
+            lhs, dy_c, w_gate, w_up, w_down, group_sizes, row_scale_m=row_scale, interpret=interpret
+        )
+        h, d_gate_up = _like(h, lhs), _like(d_gate_up, lhs)
+        d_scale = None if d_scale is None else _like(d_scale, lhs)
+        d_w_down = tgmm(h, dy_down, group_sizes, out_dtype=w_down.dtype, interpret=interpret)
+        d_lhs, d_w_gate, d_w_up = _gate_up_grads(
+            static, (lhs, w_gate, w_up, group_sizes), d_gate_up
+        )
+        return d_lhs, d_w_gate, d_w_up, _like(d_w_down, w_down), None, d_scale
+    # The forward's h, gate and up (gmm_swiglu(gate_up_out=True)): no GEMM for them here.
+    h, gate, up = saved
+    gate, up = gate.astype(jnp.float32), up.astype(jnp.float32)
     # g = dy @ w_down[g].T in f32: dh without the row scale.
     g = _like(
         mosaic_gpu.gmm(
@@ -309,14 +329,12 @@ def swiglu_mlp_grads(
         ),
         lhs,
     )
-    if row_scale is None:
-        dh, d_scale, dy_down = g, None, dy_c
+    if scale is None:
+        dh, d_scale = g, None
     else:
-        scale = row_scale.astype(jnp.float32)[:, None]
         dh = g * scale
         # d_s = rowsum(dy * (h @ w_down[g])) = rowsum(h * (dy @ w_down[g].T)): over F.
         d_scale = jnp.sum(h.astype(jnp.float32) * g, axis=1)
-        dy_down = (dy.astype(jnp.float32) * scale).astype(lhs.dtype)
     d_w_down = tgmm(h, dy_down, group_sizes, out_dtype=w_down.dtype, interpret=interpret)
     d_lhs, d_w_gate, d_w_up, _ = _swiglu_input_grads(
         static, (lhs, w_gate, w_up, group_sizes), gate, up, dh

@@ -15,12 +15,13 @@ from typing import Literal
 import jax
 
 GridMinorDim = Literal["m", "n"]
-ShapeClass = Literal["gmm", "gmm_out_f32", "gmm_transposed", "gmm_swiglu", "tgmm"]
+ShapeClass = Literal["gmm", "gmm_out_f32", "gmm_transposed", "gmm_swiglu", "gmm_swiglu_bwd", "tgmm"]
 SHAPE_CLASSES: tuple[ShapeClass, ...] = (
     "gmm",
     "gmm_out_f32",
     "gmm_transposed",
     "gmm_swiglu",
+    "gmm_swiglu_bwd",
     "tgmm",
 )
 
@@ -184,9 +185,13 @@ class TileConfig:
         """(rows, columns) of one epilogue sub-tile."""
         return (self.epi_block_m or self.consumer_m, self.epi_block_n or self.consumer_n)
 
-    def smem_bytes(self, *, itemsize: int, out_itemsize: int, num_rhs: int = 1) -> int:
+    def smem_bytes(
+        self, *, itemsize: int, out_itemsize: int, num_rhs: int = 1, num_lhs: int = 1
+    ) -> int:
         """Shared memory of the pipeline stages plus the epilogue buffers (2 per consumer)."""
-        stage = (self.block_m * self.block_k + num_rhs * self.block_k * self.block_n) * itemsize
+        stage = (
+            num_lhs * self.block_m * self.block_k + num_rhs * self.block_k * self.block_n
+        ) * itemsize
         epi_m, epi_n = self.epilogue_tile
         return (
             self.max_concurrent_steps * stage
@@ -236,6 +241,17 @@ DEFAULT_CONFIGS: dict[tuple[ShapeClass, str], TileConfig] = {
     # (H200, 2026-11-30, bench/results/2026-11-30_gmm_sweep2_h200.md).
     ("gmm_swiglu", "NVIDIA H200"): TileConfig(
         block_n=128, epi_block_n=64, grid_minor_dim="m", grid_tile_width=16, consumer_dim="m"
+    ),
+    # gmm_swiglu_bwd (NOT YET MEASURED): three f32 accumulators (gate, up, dy @ w_down.T) a
+    # consumer, so each consumer holds 64 x 64 of them (96 registers a thread) where gmm_swiglu
+    # holds 64 x 128 of two; two lhs tiles and three rhs tiles a stage: three stages fit.
+    ("gmm_swiglu_bwd", "NVIDIA H200"): TileConfig(
+        block_n=64,
+        max_concurrent_steps=3,
+        epi_block_n=64,
+        grid_minor_dim="m",
+        grid_tile_width=16,
+        consumer_dim="m",
     ),
     # tgmm (the weight gradient, in mosaic_gpu_wgrad.py): block_m tiles K, block_n tiles N and
     # block_k steps over a group's rows. Output tiles 128x256 with 3 stages beat 128x128 with 4

@@ -140,6 +140,113 @@ def test_gmm_swiglu_gate_up_out_are_the_products_bits(case):
         chex.assert_trees_all_equal(out[past], jnp.zeros_like(out)[past])
 
 
+def _swiglu_bwd_inputs(m, k, n, sizes, seed=0):
+    """lhs [M, K], dy [M, K], w_gate, w_up [G, K, N], w_down [G, N, K], sizes, row scale."""
+    lhs, w_gate, group_sizes, scale, key = _inputs(m, k, n, sizes, seed=seed)
+    keys = jax.random.split(key, 3)
+    w_up = (jax.random.normal(keys[0], w_gate.shape, jnp.float32) / 4).astype(lhs.dtype)
+    w_down = (jax.random.normal(keys[1], (len(sizes), n, k), jnp.float32) / 4).astype(lhs.dtype)
+    dy = jax.random.normal(keys[2], (m, k), jnp.float32).astype(lhs.dtype)
+    return lhs, dy, w_gate, w_up, w_down, group_sizes, scale
+
+
+def _swiglu_bwd_parts(lhs, dy, w_gate, w_up, w_down, group_sizes, scale, run):
+    """What gmm_swiglu_bwd fuses, from the unfused kernels and XLA: h, [d_gate | d_up] and d_s
+    (None without a scale)."""
+    h = mosaic_gpu.gmm_swiglu(lhs, w_gate, w_up, group_sizes, **run)
+    gate, up = (
+        mosaic_gpu.gmm(lhs, w, group_sizes, out_dtype=jnp.float32, **run) for w in (w_gate, w_up)
+    )
+    g = mosaic_gpu.gmm(dy, w_down, group_sizes, transpose_rhs=True, out_dtype=jnp.float32, **run)
+    dh = g if scale is None else g * scale[:, None]
+    sig = jax.nn.sigmoid(gate)
+    d_gate = dh * up * (sig * (1.0 + gate * (1.0 - sig)))
+    d_up = dh * gate * sig
+    d_s = None if scale is None else jnp.sum(h.astype(jnp.float32) * g, axis=1)
+    return h, jnp.concatenate([d_gate, d_up], axis=1), d_s
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[3]], ids=str)
+def test_gmm_swiglu_bwd_matches_its_unfused_parts(case, weighted):
+    """Invariant 10: h is gmm_swiglu's bits; [d_gate | d_up] and d_s (from per-tile partial
+    sums) are the unfused f32 formulas' values, to the rounding of their stored dtype; rows
+    past every group are zeros in all three."""
+    m, k, n, sizes = case
+    lhs, dy, w_gate, w_up, w_down, group_sizes, scale = _swiglu_bwd_inputs(m, k, n, sizes)
+    scale = scale if weighted else None
+    run = dict(config=SMALL, interpret=True)
+    h, d_gate_up, d_s = mosaic_gpu.gmm_swiglu_bwd(
+        lhs, dy, w_gate, w_up, w_down, group_sizes, row_scale_m=scale, **run
+    )
+    chex.assert_shape((h, d_gate_up), ((m, n), (m, 2 * n)))
+    chex.assert_type((h, d_gate_up), (lhs.dtype, lhs.dtype))
+    h_parts, d_gate_up_parts, d_s_parts = _swiglu_bwd_parts(
+        lhs, dy, w_gate, w_up, w_down, group_sizes, scale, run
+    )
+    chex.assert_trees_all_equal(h, h_parts)
+    _assert_close(d_gate_up, d_gate_up_parts, jnp.bfloat16)
+    past = _rows_past_groups(sizes, m)
+    for out in (h, d_gate_up):
+        chex.assert_trees_all_equal(out[past], jnp.zeros_like(out)[past])
+    if not weighted:
+        assert d_s is None
+        return
+    chex.assert_shape(d_s, (m,))
+    _assert_close(d_s, d_s_parts, jnp.float32)
+    chex.assert_trees_all_equal(d_s[past], jnp.zeros_like(d_s)[past])
+
+
+@pytest.mark.parametrize("consumer_dim", ["n", "m"])
+def test_gmm_swiglu_bwd_has_no_races_and_owns_each_partial_once(consumer_dim):
+    """Invariant 10 under the race detector: two lhs and three rhs tiles a stage; each
+    consumer's d_s partials go to their own slots (a consumer writing another's would make d_s
+    wrong at split "n", where both hold all rows, or at "m", where each holds half)."""
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+    m, k, n, sizes = 300, 192, 256, (70, 0, 100, 3, 64)
+    lhs, dy, w_gate, w_up, w_down, group_sizes, scale = _swiglu_bwd_inputs(m, k, n, sizes, seed=1)
+    config = dataclasses.replace(
+        SMALL, block_m=128, block_n=128, max_concurrent_steps=2, consumer_dim=consumer_dim
+    )
+    params = plgpu.InterpretGPUParams(detect_races=True)
+    outs = mosaic_gpu.gmm_swiglu_bwd(
+        lhs,
+        dy,
+        w_gate,
+        w_up,
+        w_down,
+        group_sizes,
+        row_scale_m=scale,
+        config=config,
+        interpret=params,
+    )
+    jax.block_until_ready(outs)
+    assert not gpu_callbacks.get_races().races_found
+    parts = _swiglu_bwd_parts(
+        lhs, dy, w_gate, w_up, w_down, group_sizes, scale, dict(config=SMALL, interpret=True)
+    )
+    chex.assert_trees_all_equal(outs[0], parts[0])
+    _assert_close(outs[1], parts[1], jnp.bfloat16)
+    _assert_close(outs[2], parts[2], jnp.float32)
+
+
+def test_gmm_swiglu_bwd_of_no_rows():
+    lhs, dy, w_gate, w_up, w_down, _, scale = _swiglu_bwd_inputs(8, 64, 128, (8,))
+    h, d_gate_up, d_s = mosaic_gpu.gmm_swiglu_bwd(
+        lhs[:0],
+        dy[:0],
+        w_gate,
+        w_up,
+        w_down,
+        jnp.array([0], jnp.int32),
+        row_scale_m=scale[:0],
+        config=SMALL,
+        interpret=True,
+    )
+    chex.assert_shape((h, d_gate_up, d_s), ((0, 128), (0, 256), (0,)))
+
+
 @pytest.mark.parametrize("num_parts", [2, 3])
 @pytest.mark.parametrize("transpose_rhs", [False, True], ids=["forward", "dgrad"])
 def test_rhs_parts_give_the_bits_of_the_concatenated_rhs(transpose_rhs, num_parts):
@@ -432,6 +539,18 @@ def _bad_call(kind):
             interpret=True,
         ),
         "parts_empty": lambda: mosaic_gpu.gmm(lhs, (), sizes),
+        "bwd_dy": lambda: mosaic_gpu.gmm_swiglu_bwd(lhs, lhs[:, :64], rhs, rhs, rhs, sizes),
+        "bwd_w_down": lambda: mosaic_gpu.gmm_swiglu_bwd(lhs, lhs, rhs, rhs, rhs[:, :, :64], sizes),
+        "bwd_cluster": lambda: mosaic_gpu.gmm_swiglu_bwd(
+            lhs,
+            lhs,
+            rhs,
+            rhs,
+            rhs,
+            sizes,
+            config=dataclasses.replace(SMALL, cluster_m=2),
+            interpret=True,
+        ),
         "epi_row": lambda: mosaic_gpu.gmm(
             lhs, rhs, sizes, config=dataclasses.replace(SMALL, epi_block_n=32), interpret=True
         ),
@@ -461,6 +580,12 @@ def _bad_call(kind):
         ("parts_shape", r"rhs\[1\] shape \(1, 64, 64\) must equal rhs\[0\] shape \(1, 64, 128\)"),
         ("parts_tile", "each of the 2 rhs parts holds K=64: it must be a multiple of block_k=128"),
         ("parts_empty", "rhs_gkn must be an array or a non-empty tuple of arrays"),
+        ("bwd_dy", r"dy must be bfloat16 \[M=64, N=128\] \(N = lhs K\), got bfloat16 \(64, 64\)"),
+        (
+            "bwd_w_down",
+            r"w_down must be bfloat16 \[G=1, F=128, N=128\], got bfloat16 \(1, 128, 64\)",
+        ),
+        ("bwd_cluster", "gmm_swiglu_bwd runs without clusters"),
         (
             "epi_row",
             "epi_block_n=32 x 2-byte outputs = 64 bytes a row: it must be a multiple of 128",
@@ -494,6 +619,8 @@ def _lowered_text(fn, *args):
         "weighted_f32",
         "swiglu",
         "swiglu_gate_up_out",
+        "swiglu_bwd",
+        "swiglu_bwd_unweighted",
         "gmm_cluster_n",
         "gmm_cluster_m",
         "gmm_cluster_2x2",
@@ -535,6 +662,20 @@ def test_lowers_for_cuda_at_real_size(product):
             lambda a, b, s, w: mosaic_gpu.gmm(a, b, s, row_scale_m=w, out_dtype=jnp.float32),
             _S((M, K), bf16),
             _S((G, K, N), bf16),
+            sizes,
+            _S((M,), jnp.float32),
+        )
+    elif product.startswith("swiglu_bwd"):  # qwen3's backward: K = D = 2048, F = 768
+        weighted = not product.endswith("unweighted")
+        text = _lowered_text(
+            lambda x, dy, a, b, c, s, w: mosaic_gpu.gmm_swiglu_bwd(
+                x, dy, a, b, c, s, row_scale_m=w if weighted else None
+            ),
+            _S((M, K), bf16),
+            _S((M, K), bf16),
+            _S((G, K, N // 2), bf16),
+            _S((G, K, N // 2), bf16),
+            _S((G, N // 2, K), bf16),
             sizes,
             _S((M,), jnp.float32),
         )
@@ -673,6 +814,32 @@ def test_gpu_gmm_swiglu_gate_up_out_are_the_products_bits():
         jax.jit(mosaic_gpu.gmm)(lhs, w_up, sizes),
     )
     chex.assert_trees_all_equal(outs, expected)
+
+
+@pytest.mark.gpu
+def test_gpu_gmm_swiglu_bwd_matches_its_unfused_parts_and_repeats():
+    """Invariant 10 on the hardware at qwen3's size (M not a multiple of 8, rows past every
+    group): h is gmm_swiglu's bits, [d_gate | d_up] and d_s the unfused formulas' values to
+    their rounding, and three runs give the same bits."""
+    m, k, f, g = 16381, 2048, 768, 128
+    keys = jax.random.split(jax.random.key(9), 6)
+    lhs, dy = (jax.random.normal(key, (m, k), jnp.float32).astype(jnp.bfloat16) for key in keys[:2])
+    w_gate, w_up = (
+        (jax.random.normal(key, (g, k, f), jnp.float32) / 32).astype(jnp.bfloat16)
+        for key in keys[2:4]
+    )
+    w_down = (jax.random.normal(keys[4], (g, f, k), jnp.float32) / 32).astype(jnp.bfloat16)
+    scale = jax.random.uniform(keys[5], (m,), jnp.float32, 0.5, 1.5)
+    sizes = _uniform_group_sizes(m - 40, g, 1)
+    args = (lhs, dy, w_gate, w_up, w_down, sizes, scale)
+    fused = jax.jit(lambda *a: mosaic_gpu.gmm_swiglu_bwd(*a[:6], row_scale_m=a[6]))
+    outs = fused(*args)
+    for _ in range(2):
+        chex.assert_trees_all_equal(fused(*args), outs)
+    parts = jax.jit(lambda *a: _swiglu_bwd_parts(*a, {}))(*args)
+    chex.assert_trees_all_equal(outs[0], parts[0])
+    _assert_close(outs[1], parts[1], jnp.bfloat16)
+    _assert_close(outs[2], parts[2], jnp.float32)
 
 
 @pytest.mark.gpu

@@ -152,8 +152,10 @@ def test_swiglu_mlp_values_and_gradients(case, weighted):
 
 
 def test_swiglu_mlp_grads_from_the_saved_gate_up():
-    """saved=(h, gate, up) of gmm_swiglu(gate_up_out=True): the same h, so d_w_down and d_s are
-    the recomputing backward's bits; the rest see gate and up rounded to bf16: close."""
+    """saved=(h, gate, up) of gmm_swiglu(gate_up_out=True): the same h, so d_w_down is the
+    recomputing backward's bits, and d_s the same f32 products summed in another order (the
+    recomputing kernel sums a tile's columns, then the tiles): f32-close; the rest see gate and
+    up rounded to bf16: close."""
     from pallas_kernels.grouped_matmul import mosaic_gpu
 
     t = _inputs(*CASES[0])
@@ -164,7 +166,7 @@ def test_swiglu_mlp_grads_from_the_saved_gate_up():
     recomputed = ops.swiglu_mlp_grads(*args, interpret=True)
     from_saved = ops.swiglu_mlp_grads(*args, saved=saved, interpret=True)
     chex.assert_trees_all_equal(from_saved[3], recomputed[3])  # d_w_down
-    chex.assert_trees_all_equal(from_saved[5], recomputed[5])  # d_s
+    _assert_close(from_saved[5], recomputed[5])  # d_s, f32
     for i in (0, 1, 2):  # d_lhs, d_w_gate, d_w_up
         _assert_close(from_saved[i], recomputed[i], jnp.bfloat16)
 

@@ -87,9 +87,12 @@ def test_defaults_exist_and_fit_shared_memory(shape_class):
     config = tuning.default_config(shape_class, jax.devices("cpu")[0])
     assert isinstance(config, TileConfig)
     out_itemsize = 4 if shape_class == "gmm_out_f32" else 2
-    num_rhs = 2 if shape_class == "gmm_swiglu" else 1
+    num_rhs, num_lhs = {"gmm_swiglu": (2, 1), "gmm_swiglu_bwd": (3, 2)}.get(shape_class, (1, 1))
     limit = tuning.DEVICES[tuning.TARGET_DEVICE_KIND].smem_bytes
-    assert config.smem_bytes(itemsize=2, out_itemsize=out_itemsize, num_rhs=num_rhs) <= limit
+    smem = config.smem_bytes(
+        itemsize=2, out_itemsize=out_itemsize, num_rhs=num_rhs, num_lhs=num_lhs
+    )
+    assert smem <= limit
 
 
 def test_shape_class_of_gmm_calls():
