@@ -18,6 +18,8 @@ with --backward, the expert MLP's backward on the plan's rows (checked equal fir
   with [w_gate | w_up] read in two parts, and [d_w_gate, d_w_up] stored as two arrays);
 - `bwd_all_before`: the whole backward as before, with the concatenated weights and sliced
   weight gradients;
+- with --backward-configs, `bwd_kernel` with other tiles (`BACKWARD_CONFIGS`, checked against
+  the default's h and [d_gate | d_up] bit for bit first), whose default is not yet measured;
 and, with --layer, the whole layer (`mok_jax.moe`, forward, then forward+backward of
 sum(y * cotangent)) with implementation `pallas` against `fused`. Each time is the median of
 grouped_gemm_h200's samples (>= 5 ms of back-to-back calls each) after warm-up.
@@ -48,7 +50,7 @@ import jax.numpy as jnp
 from bench import grouped_gemm_h200 as gg
 from mok_jax import init_params, moe, presets
 from mok_jax.plan import make_plan
-from pallas_kernels.grouped_matmul import mosaic_gpu, ops
+from pallas_kernels.grouped_matmul import mosaic_gpu, ops, tuning
 from pallas_kernels.grouped_matmul.mosaic_gpu_wgrad import tgmm
 
 WARMUP, TIMED, TARGET_SAMPLE_S = 2, 10, 0.005
@@ -180,7 +182,18 @@ def _all_before(x, dy, w_gate, w_up, w_down, sizes, scale):
     return d_x, d_w[:, :, :f], d_w[:, :, f:], d_w_down, d_s
 
 
-def backward(name: str) -> Iterator[dict]:
+# gmm_swiglu_bwd's tiles to try beside its default (128 x 64, consumers splitting rows, 3 stages):
+# label -> TileConfig fields changed from the default. Three f32 accumulators a consumer.
+BACKWARD_CONFIGS = {
+    # 64 x 128 x 3 accumulators a consumer (192 registers a thread); 3 stages would not fit.
+    "n128_split_m": dict(block_n=128, max_concurrent_steps=2),
+    "n128_split_n": dict(block_n=128, consumer_dim="n", max_concurrent_steps=2),
+    "no_delay": dict(delay_release=0),
+    "m64_one_consumer_4stages": dict(block_m=64, num_consumers=1, max_concurrent_steps=4),
+}
+
+
+def backward(name: str, configs: bool = False) -> Iterator[dict]:
     """The expert MLP's backward pieces, new against before (module docstring)."""
     cfg, tokens = _cfg(name)
     d, f, e, k = cfg.d_model, cfg.d_ff, cfg.num_experts, cfg.top_k
@@ -225,6 +238,25 @@ def backward(name: str) -> Iterator[dict]:
         "bwd_all": bwd_all,
         "bwd_all_before": _all_before,
     }
+    if configs:
+        default = tuning.default_config("gmm_swiglu_bwd")
+        for label, changes in BACKWARD_CONFIGS.items():
+            config = dataclasses.replace(default, **changes)
+
+            def variant(*a, config=config):
+                return mosaic_gpu.gmm_swiglu_bwd(*a[:6], row_scale_m=a[6], config=config)
+
+            try:
+                outs = jax.jit(variant)(*args)
+            except Exception as error:  # a config that does not build is a result too
+                _progress(f"{name} bwd_kernel_{label}: {type(error).__name__}: {error}")
+                yield {"shape": name, "what": f"bwd_kernel_{label}", "error": str(error)[:500]}
+                continue
+            same = all(bool(jnp.array_equal(a, b)) for a, b in zip(outs[:2], new[:2], strict=True))
+            if not same:
+                raise AssertionError(f"{name} {label}: h or d_gate_up bits differ from the default")
+            fns[f"bwd_kernel_{label}"] = variant
+            passes[f"bwd_kernel_{label}"] = 3
     for label, fn in fns.items():
         _progress(f"{name} {label}: compiling and timing")
         timing = _time(jax.jit(fn), *args)
@@ -277,6 +309,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--layer", default="", help="shapes to time the whole layer at")
     parser.add_argument("--explore", action="store_true", help="also time kernel variants")
     parser.add_argument("--backward", default="", help="shapes to time the MLP backward at")
+    parser.add_argument(
+        "--backward-configs", action="store_true", help="also time gmm_swiglu_bwd's other tiles"
+    )
     args = parser.parse_args(argv)
     if jax.default_backend() != "gpu":
         parser.error("the probe times GPU kernels: no GPU backend here")
@@ -290,7 +325,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     todo = [
         (functools.partial(kernels, explore=args.explore), s) for s in args.shapes.split(",") if s
     ]
-    todo += [(backward, s) for s in args.backward.split(",") if s]
+    bwd = functools.partial(backward, configs=args.backward_configs)
+    todo += [(bwd, s) for s in args.backward.split(",") if s]
     todo += [(layer, s) for s in args.layer.split(",") if s]
     for fn, shape in todo:
         for record in fn(shape):
