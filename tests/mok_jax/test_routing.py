@@ -18,6 +18,7 @@ from mok_jax.routing import (
     chosen_weights,
     load_balancing_loss,
     route,
+    router_logits,
     router_z_loss,
     select_experts,
     top_k_indices,
@@ -168,3 +169,31 @@ def test_normalized_weights_of_underflowed_scores_stay_zero():
 
     chex.assert_trees_all_equal(route(x, router, jnp.zeros(4), cfg).weights_tk, jnp.zeros((3, 2)))
     chex.assert_tree_all_finite(jax.grad(total_weight)(router))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_router_logits_gradients_are_autodiffs_without_an_f32_copy_of_x(dtype):
+    """The custom VJP gives autodiff's gradients bit for bit, and saves x in its own dtype (no
+    f32 [T, D] copy among the residuals for bf16 x)."""
+    keys = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(keys[0], (37, 64), jnp.float32).astype(dtype)
+    w = jax.random.normal(keys[1], (64, 16), jnp.float32).astype(dtype)
+    g = jax.random.normal(keys[2], (37, 16), jnp.float32)
+
+    def plain(x, w):
+        return jnp.dot(
+            x.astype(jnp.float32), w.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
+        )
+
+    out, vjp = jax.vjp(router_logits, x, w)
+    plain_out, plain_vjp = jax.vjp(plain, x, w)
+    chex.assert_trees_all_equal(out, plain_out)
+    chex.assert_trees_all_equal(jax.jit(vjp)(g), jax.jit(plain_vjp)(g))
+    # The VJP closure's leaves are the residuals it keeps.
+    kept = [(a.shape, a.dtype) for a in jax.tree.leaves(vjp)]
+    assert (x.shape, jnp.dtype(dtype)) in kept
+    if dtype == jnp.bfloat16:
+        assert (x.shape, jnp.dtype(jnp.float32)) not in kept
+        assert (x.shape, jnp.dtype(jnp.float32)) in [
+            (a.shape, a.dtype) for a in jax.tree.leaves(plain_vjp)
+        ]
