@@ -94,8 +94,9 @@ Invariants (numbered; the tests check each):
      its own slot [row tile, column owner, rows] of a partials array (column owner: the column
      tile, times 2 plus the consumer with consumer_dim "n"). Every slot of a tile that runs its
      K loop is written once; `_row_sums` then gathers, for each row, the slots of the one tile
-     that stores the row (its group's, as invariant 2 picks it) and sums them in column order:
-     a fixed order, no atomics (test_gmm_swiglu_bwd_has_no_races_and_owns_each_partial_once).
+     that stores the row (its group's, as invariant 2 picks it) and sums them in a fixed order
+     (one reduction of a static shape), no atomics
+     (test_gmm_swiglu_bwd_has_no_races_and_owns_each_partial_once).
 """
 
 from __future__ import annotations
@@ -389,9 +390,10 @@ def _kernel(
     )
     def _scope(lhs_smem, dy_smem, rhs_smems, ds_smem, epi_smem, loaded, consumed):
         wg = lax.axis_index("wg")
-        lhs_smems = [lhs_smem, *dy_smem]  # lhs_smems[rhs_lhs[i]]: the lhs stages of rhs i
         if gather_rows:
             lhs_smem, lhs_row_smem = lhs_smem if not interpret else (lhs_smem, lhs_smem)
+        # After the union's split above (its tiled view is what the wgmmas read).
+        lhs_smems = [lhs_smem, *dy_smem]  # lhs_smems[rhs_lhs[i]]: the lhs stages of rhs i
 
         # 1. The producer: every K step of every matmul tile of this program, in order, into
         #    the ring of stages (invariants 5, 6). It runs ahead of the consumers by up to
@@ -535,6 +537,10 @@ def _kernel(
                 """swiglu_bwd: this consumer's d_s partial sums of tile (mi, ni), one f32 a row
                 of its consumer_m rows, to ds_ref[mi, column owner, rows] (invariant 10)."""
                 owner = ni if split_m else ni * num_consumers + wg
+                # ds_smem is reused tile after tile: the previous tile's store of it has been
+                # read, because `epilogue` (which ran first in this tile) opened with
+                # wait_smem_to_gmem(0) (the interpreter's stores finish at once: it cannot
+                # check this; the GPU twin can).
                 ds_smem[0].at[wg][...] = sums
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(
@@ -668,13 +674,14 @@ def _default_config(
     num_rhs: int,
     interpret: bool,
     num_lhs: int = 1,
+    dim: str = "N",
 ) -> TileConfig:
     """The table's tiles, with block_n narrowed (256 -> 128 -> 64 on one consumer) until it
     divides N, and stages dropped until they fit shared memory. Only defaults are narrowed: a
     caller's config is validated, never replaced."""
     config = tuning.default_config(shape_class, interpret=interpret)
     if n % 64:
-        raise ValueError(f"N={n} must be a multiple of 64")
+        raise ValueError(f"{dim}={n} must be a multiple of 64")
     while n % config.block_n:
         block_n = config.block_n // 2 if config.block_n > 128 else 64
         if config.consumer_dim == "m":  # the consumers split rows: any block_n suits them
@@ -731,12 +738,22 @@ def default_config(
 
 
 def _check_config(
-    config: TileConfig, *, k: int, n: int, itemsize: int, out_itemsize: int, nr, num_lhs: int = 1
+    config: TileConfig,
+    *,
+    k: int,
+    n: int,
+    itemsize: int,
+    out_itemsize: int,
+    nr,
+    num_lhs: int = 1,
+    dim: str = "N",
 ):
+    """Raises ValueError if the kernel cannot run `config` for K = k and an output of n
+    columns (named `dim` in the messages: N, or F for gmm_swiglu_bwd)."""
     if k % config.block_k:
         raise ValueError(f"K={k} must be a multiple of block_k={config.block_k}")
     if n % config.block_n:
-        raise ValueError(f"N={n} must be a multiple of block_n={config.block_n}")
+        raise ValueError(f"{dim}={n} must be a multiple of block_n={config.block_n}")
     if (n // config.block_n) % config.cluster_n:
         raise ValueError(
             f"cluster_n={config.cluster_n} needs an even number of column tiles, got "
@@ -1059,8 +1076,10 @@ def gmm_swiglu(
 
 def _row_sums(parts_tpb: Array, group_sizes_g: Array, *, num_rows: int, block_m: int) -> Array:
     """f32 [M]: each row's sum of its partials, parts_tpb[t, :, b] of the tile t that stores it
-    (its group's tile holding it, at position b), summed over the column owners in order; 0 for
-    rows past every group. Gathers only (invariant 10)."""
+    (its group's tile holding it, at position b), summed over the column owners in a fixed
+    order (one XLA reduction of a static shape); 0 for rows past every group, whose gathered
+    slots (tile 0's, which may never have been written) are masked out. Gathers only
+    (invariant 10)."""
     starts_x, ends_x = group_bounds(group_sizes_g, num_rows=num_rows)
     base_x = starts_x - starts_x % _ROW_ALIGN
     tiles_x = jnp.where(ends_x > starts_x, (ends_x - base_x + block_m - 1) // block_m, 0)
@@ -1134,10 +1153,13 @@ def gmm_swiglu_bwd(
             num_rhs=3,
             num_lhs=2,
             interpret=interpret,
+            dim="F",
         )
     if config.cluster_size != 1:
         raise ValueError(f"gmm_swiglu_bwd runs without clusters, got {config}")
-    _check_config(config, k=k, n=f, itemsize=itemsize, out_itemsize=itemsize, nr=3, num_lhs=2)
+    _check_config(
+        config, k=k, n=f, itemsize=itemsize, out_itemsize=itemsize, nr=3, num_lhs=2, dim="F"
+    )
     outs = _grouped_call(
         lhs_mk,
         (w_gate_gkf, w_up_gkf, w_down_gfn),

@@ -305,7 +305,14 @@ def swiglu_mlp_grads(
         # One kernel: gate, up and g = dy @ w_down.T over K = D, and from them (in its epilogue,
         # nothing f32 stored) h, [d_gate | d_up] and d_s.
         h, d_gate_up, d_scale = mosaic_gpu.gmm_swiglu_bwd(
-            lhs, dy_c, w_gate, w_up, w_down, group_sizes, row_scale_m=row_scale, interpret=interpret
+            lhs,
+            dy_c,
+            w_gate,
+            w_up,
+            w_down,
+            group_sizes,
+            row_scale_m=None if row_scale is None else row_scale.astype(jnp.float32),
+            interpret=interpret,
         )
         h, d_gate_up = _like(h, lhs), _like(d_gate_up, lhs)
         d_scale = None if d_scale is None else _like(d_scale, lhs)

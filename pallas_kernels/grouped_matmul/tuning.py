@@ -188,14 +188,17 @@ class TileConfig:
     def smem_bytes(
         self, *, itemsize: int, out_itemsize: int, num_rhs: int = 1, num_lhs: int = 1
     ) -> int:
-        """Shared memory of the pipeline stages plus the epilogue buffers (2 per consumer)."""
+        """Shared memory of the pipeline stages plus the epilogue buffers (2 per consumer); with
+        two lhs (gmm_swiglu_bwd, the one such kernel) also its f32 row sums, a row a consumer."""
         stage = (
             num_lhs * self.block_m * self.block_k + num_rhs * self.block_k * self.block_n
         ) * itemsize
         epi_m, epi_n = self.epilogue_tile
+        row_sums = self.num_consumers * self.consumer_m * 4 if num_lhs == 2 else 0
         return (
             self.max_concurrent_steps * stage
             + self.num_consumers * 2 * epi_m * epi_n * out_itemsize
+            + row_sums
         )
 
 

@@ -541,6 +541,9 @@ def _bad_call(kind):
         "parts_empty": lambda: mosaic_gpu.gmm(lhs, (), sizes),
         "bwd_dy": lambda: mosaic_gpu.gmm_swiglu_bwd(lhs, lhs[:, :64], rhs, rhs, rhs, sizes),
         "bwd_w_down": lambda: mosaic_gpu.gmm_swiglu_bwd(lhs, lhs, rhs, rhs, rhs[:, :, :64], sizes),
+        "bwd_f": lambda: mosaic_gpu.gmm_swiglu_bwd(
+            lhs, lhs, rhs[:, :, :96], rhs[:, :, :96], rhs[:, :96], sizes
+        ),
         "bwd_cluster": lambda: mosaic_gpu.gmm_swiglu_bwd(
             lhs,
             lhs,
@@ -586,6 +589,7 @@ def _bad_call(kind):
             r"w_down must be bfloat16 \[G=1, F=128, N=128\], got bfloat16 \(1, 128, 64\)",
         ),
         ("bwd_cluster", "gmm_swiglu_bwd runs without clusters"),
+        ("bwd_f", "F=96 must be a multiple of 64"),
         (
             "epi_row",
             "epi_block_n=32 x 2-byte outputs = 64 bytes a row: it must be a multiple of 128",

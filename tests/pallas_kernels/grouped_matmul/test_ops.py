@@ -171,6 +171,18 @@ def test_swiglu_mlp_grads_from_the_saved_gate_up():
         _assert_close(from_saved[i], recomputed[i], jnp.bfloat16)
 
 
+def test_swiglu_mlp_grads_take_a_row_scale_of_any_float_dtype():
+    """A bf16 row scale is the f32 one it converts to (the kernel wants f32)."""
+    t = _inputs(*CASES[1])
+    scale = t["scale"].astype(jnp.bfloat16)
+    args = (t["x"], t["w"], t["w2"], t["w_t"], t["sizes"])
+    grads = ops.swiglu_mlp_grads(*args, scale, t["cotangent"], interpret=True)
+    expected = ops.swiglu_mlp_grads(
+        *args, scale.astype(jnp.float32), t["cotangent"], interpret=True
+    )
+    chex.assert_trees_all_equal(grads, expected)
+
+
 def _shapes_in(jaxpr) -> set[tuple[int, ...]]:
     """The shapes of every value a jaxpr (and each jaxpr inside it) computes."""
     shapes = set()
