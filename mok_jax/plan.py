@@ -21,6 +21,17 @@ import jax.numpy as jnp
 from jax import Array
 
 
+def id_bounds(sorted_ids_n: Array, ids_i: Array) -> tuple[Array, Array]:
+    """int32 (starts_i, ends_i): where each id's run begins and ends in the sorted ids.
+
+    Binary searches with their steps unrolled (here and in exchange, routed): jnp's default
+    runs them as a while loop, one GPU launch a step; the integer results are the same."""
+    return tuple(
+        jnp.searchsorted(sorted_ids_n, ids_i, side=side, method="scan_unrolled").astype(jnp.int32)
+        for side in ("left", "right")
+    )
+
+
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["order_n", "inverse_n", "group_sizes_e", "group_starts_e", "keep_n"],
@@ -63,14 +74,7 @@ def make_plan(experts_tk: Array, num_experts: int, capacity: int | None = None) 
     inverse_n = jnp.zeros_like(order_n).at[order_n].set(positions_n, unique_indices=True)
     sorted_experts_n = experts_n[order_n]
     expert_ids = jnp.arange(num_experts, dtype=jnp.int32)
-    # Binary searches with their steps unrolled (here and in tiles, exchange, routed): jnp's
-    # default runs them as a while loop, one GPU launch a step; integer results are the same.
-    starts_e = jnp.searchsorted(
-        sorted_experts_n, expert_ids, side="left", method="scan_unrolled"
-    ).astype(jnp.int32)
-    ends_e = jnp.searchsorted(
-        sorted_experts_n, expert_ids, side="right", method="scan_unrolled"
-    ).astype(jnp.int32)
+    starts_e, ends_e = id_bounds(sorted_experts_n, expert_ids)
     keep_n = None
     if capacity is not None:
         rank_in_expert_n = inverse_n - starts_e[experts_n]

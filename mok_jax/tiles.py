@@ -40,6 +40,7 @@ from jax import Array, lax
 
 from mok_jax.experts import dot_precision, swiglu
 from mok_jax.permute import take_rows
+from mok_jax.plan import id_bounds
 
 # Tiles per loop step: every loop step computes a dot of this many tiles.
 TILES_PER_STEP = 8
@@ -191,13 +192,8 @@ def tile_layout(expert_r: Array, num_local: int, row_tile: int) -> TileLayout:
     order_r = jnp.argsort(expert_r, stable=True).astype(jnp.int32)
     sorted_expert_r = expert_r[order_r]
     expert_ids = jnp.arange(num_local, dtype=jnp.int32)
-    starts_g = jnp.searchsorted(
-        sorted_expert_r, expert_ids, side="left", method="scan_unrolled"
-    ).astype(jnp.int32)
-    sizes_g = jnp.searchsorted(
-        sorted_expert_r, expert_ids, side="right", method="scan_unrolled"
-    ).astype(jnp.int32)
-    sizes_g = sizes_g - starts_g
+    starts_g, ends_g = id_bounds(sorted_expert_r, expert_ids)
+    sizes_g = ends_g - starts_g
     tiles_g = (sizes_g + row_tile - 1) // row_tile
     tile_ends_g = jnp.cumsum(tiles_g, dtype=jnp.int32)
     tile_starts_g = tile_ends_g - tiles_g

@@ -132,6 +132,18 @@ def group_bounds(group_sizes_g: Array, *, num_rows: int) -> tuple[Array, Array]:
     return starts_x, ends_x
 
 
+def _group_tiles(
+    group_sizes_g: Array, *, num_rows: int, block_m: int
+) -> tuple[Array, Array, Array, Array]:
+    """int32 (ends_x, base_x, tiles_x, first_tile_x), each [G + 1] (the groups, then the rows
+    of none): a group's end row, its first row rounded down to a multiple of 8 (its tiles
+    start there), its row tiles of block_m rows, and the index of its first tile."""
+    starts_x, ends_x = group_bounds(group_sizes_g, num_rows=num_rows)
+    base_x = starts_x - starts_x % _ROW_ALIGN
+    tiles_x = jnp.where(ends_x > starts_x, (ends_x - base_x + block_m - 1) // block_m, 0)
+    return ends_x, base_x, tiles_x, jnp.cumsum(tiles_x) - tiles_x
+
+
 def tile_schedule(group_sizes_g: Array, *, num_rows: int, block_m: int) -> tuple[Array, Array]:
     """The row tiles of every group, in group order, then those of the rows of no group.
 
@@ -143,15 +155,15 @@ def tile_schedule(group_sizes_g: Array, *, num_rows: int, block_m: int) -> tuple
     """
     num_groups = group_sizes_g.shape[0]
     num_tiles = pl.cdiv(num_rows, block_m) + num_groups
-    starts_x, ends_x = group_bounds(group_sizes_g, num_rows=num_rows)
-    base_x = starts_x - starts_x % _ROW_ALIGN
-    tiles_x = jnp.where(ends_x > starts_x, (ends_x - base_x + block_m - 1) // block_m, 0)
-    tile_ends_x = jnp.cumsum(tiles_x)
+    _, base_x, tiles_x, first_tile_x = _group_tiles(
+        group_sizes_g, num_rows=num_rows, block_m=block_m
+    )
+    tile_ends_x = first_tile_x + tiles_x
     t = jnp.arange(num_tiles, dtype=jnp.int32)
     group_t = jnp.sum(t[:, None] >= tile_ends_x[None, :], axis=1, dtype=jnp.int32)
     in_use = group_t <= num_groups
     group_c = jnp.minimum(group_t, num_groups)
-    row0_t = base_x[group_c] + (t - (tile_ends_x - tiles_x)[group_c]) * block_m
+    row0_t = base_x[group_c] + (t - first_tile_x[group_c]) * block_m
     past_end = pl.cdiv(num_rows, _ROW_ALIGN) * _ROW_ALIGN
     row0_t = jnp.where(in_use, row0_t, past_end).astype(jnp.int32)
     return jnp.where(in_use, group_t, num_groups), row0_t
@@ -1080,10 +1092,11 @@ def _row_sums(parts_tpb: Array, group_sizes_g: Array, *, num_rows: int, block_m:
     order (one XLA reduction of a static shape); 0 for rows past every group, whose gathered
     slots (tile 0's, which may never have been written) are masked out. Gathers only
     (invariant 10)."""
-    starts_x, ends_x = group_bounds(group_sizes_g, num_rows=num_rows)
-    base_x = starts_x - starts_x % _ROW_ALIGN
-    tiles_x = jnp.where(ends_x > starts_x, (ends_x - base_x + block_m - 1) // block_m, 0)
-    first_tile_x = jnp.cumsum(tiles_x) - tiles_x
+    # The tiles of tile_schedule (one formula for both: a row's tile here is the one that stores
+    # it there).
+    ends_x, base_x, _, first_tile_x = _group_tiles(
+        group_sizes_g, num_rows=num_rows, block_m=block_m
+    )
     row_m = jnp.arange(num_rows, dtype=jnp.int32)
     group_m = jnp.searchsorted(ends_x, row_m, side="right", method="scan_unrolled")
     offset_m = row_m - base_x[group_m]
