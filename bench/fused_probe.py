@@ -14,8 +14,10 @@ with --backward, the expert MLP's backward on the plan's rows (checked equal fir
   epilogue forms h, [d_gate | d_up] and d_s;
 - `bwd_xla_epilogue`: the same outputs as the backward made them before it: three f32 gmm
   calls, then XLA's elementwise pass over the f32 [M, F] products;
-- `bwd_all`: the whole backward, `ops.swiglu_mlp_grads` (the kernel, then d_w_down, d_lhs
-  with [w_gate | w_up] read in two parts, and [d_w_gate, d_w_up] stored as two arrays);
+- `bwd_all`: the whole backward, `ops.swiglu_mlp_grads` (by default recomputing as
+  `bwd_xla_epilogue` does, then d_w_down, d_lhs with [w_gate | w_up] read in two parts, and
+  [d_w_gate, d_w_up] stored as two arrays); `bwd_all_kernel` the same with the kernel
+  (recompute="kernel");
 - `bwd_all_before`: the whole backward as before, with the concatenated weights and sliced
   weight gradients;
 - with --backward-configs, `bwd_kernel` with other tiles (`BACKWARD_CONFIGS`, checked against
@@ -184,12 +186,12 @@ def _all_before(x, dy, w_gate, w_up, w_down, sizes, scale):
 
 # gmm_swiglu_bwd's tiles to try beside its default (128 x 64, consumers splitting rows, 3 stages):
 # label -> TileConfig fields changed from the default. Three f32 accumulators a consumer.
+# Measured and dropped: "n128_split_m" (block_n=128, 2 stages): 7.43 ms at qwen3 against the
+# default's 3.73 (bench/results/2026-12-01_fused_probe_h200).
 BACKWARD_CONFIGS = {
-    # 64 x 128 x 3 accumulators a consumer (192 registers a thread); 3 stages would not fit.
-    "n128_split_m": dict(block_n=128, max_concurrent_steps=2),
-    "n128_split_n": dict(block_n=128, consumer_dim="n", max_concurrent_steps=2),
     "no_delay": dict(delay_release=0),
     "m64_one_consumer_4stages": dict(block_m=64, num_consumers=1, max_concurrent_steps=4),
+    "n128_split_n": dict(block_n=128, consumer_dim="n", max_concurrent_steps=2),
 }
 
 
@@ -214,9 +216,11 @@ def backward(name: str, configs: bool = False) -> Iterator[dict]:
     def bwd_kernel(*a):
         return mosaic_gpu.gmm_swiglu_bwd(*a[:6], row_scale_m=a[6])
 
-    def bwd_all(x, dy, w_gate, w_up, w_down, sizes, scale):
-        grads = ops.swiglu_mlp_grads(x, w_gate, w_up, w_down, sizes, scale, dy)
+    def bwd_all(x, dy, w_gate, w_up, w_down, sizes, scale, recompute="gmm"):
+        grads = ops.swiglu_mlp_grads(x, w_gate, w_up, w_down, sizes, scale, dy, recompute=recompute)
         return grads[:4] + grads[5:]
+
+    bwd_all_kernel = functools.partial(bwd_all, recompute="kernel")
 
     _progress(f"{name}: checking the backward kernel against the XLA epilogue")
     new, before = jax.jit(bwd_kernel)(*args), jax.jit(_xla_epilogue)(*args)
@@ -231,11 +235,13 @@ def backward(name: str, configs: bool = False) -> Iterator[dict]:
     _progress(f"{name}: {checks}")
     if not checks["h_bitwise"] or max(v for key, v in checks.items() if key != "h_bitwise") > 0.02:
         raise AssertionError(f"{name}: the new backward differs from the one before: {checks}")
-    passes = {"bwd_kernel": 3, "bwd_xla_epilogue": 3, "bwd_all": 8, "bwd_all_before": 8}
+    passes = {"bwd_kernel": 3, "bwd_xla_epilogue": 3, "bwd_all": 8, "bwd_all_kernel": 8}
+    passes["bwd_all_before"] = 8
     fns = {
         "bwd_kernel": bwd_kernel,
         "bwd_xla_epilogue": _xla_epilogue,
         "bwd_all": bwd_all,
+        "bwd_all_kernel": bwd_all_kernel,
         "bwd_all_before": _all_before,
     }
     if configs:

@@ -43,12 +43,18 @@ FusedRows = Literal["copied", "gathered"]
 # weights: the backward recomputes the gate and up projections, 2 of its 8 GEMM passes) or
 # "gate_up" (also h, gate and up, [T*K, F] each in the compute dtype: 6 passes).
 FusedResiduals = Literal["inputs", "gate_up"]
+# How the `fused` implementation's backward recomputes what "inputs" did not keep (gate, up and
+# dy @ w_down.T, then h, [d_gate | d_up] and the routing weights' gradient from them): "gmm"
+# (three f32 grouped GEMMs, then XLA's elementwise pass) or "kernel" (one kernel,
+# mosaic_gpu.gmm_swiglu_bwd, no f32 [T*K, F] array in HBM). See pallas_kernels' ops.Recompute.
+FusedRecompute = Literal["gmm", "kernel"]
 
 IMPLEMENTATIONS: tuple[str, ...] = typing.get_args(Implementation)
 SCORE_FNS: tuple[str, ...] = typing.get_args(ScoreFn)
 EXCHANGES: tuple[str, ...] = typing.get_args(Exchange)
 FUSED_ROWS: tuple[str, ...] = typing.get_args(FusedRows)
 FUSED_RESIDUALS: tuple[str, ...] = typing.get_args(FusedResiduals)
+FUSED_RECOMPUTES: tuple[str, ...] = typing.get_args(FusedRecompute)
 
 # Short dtype names a command line or a config file may use, besides numpy's own names.
 _DTYPE_ALIASES = {
@@ -155,6 +161,11 @@ class MoEConfig:
       fused_residuals: with implementation 'fused', what its forward keeps for the backward
         (see `FusedResiduals`): "inputs" is lean, "gate_up" skips recomputing the gate and up
         projections for 3 * K * F more values per token.
+      fused_recompute: with implementation 'fused' and residuals "inputs", how the backward
+        recomputes gate and up (see `FusedRecompute`); the same values (h to the bit, the rest
+        to their f32 rounding). "gmm" is faster on the H200 (3.03 against 3.73 ms at
+        qwen3_30b_a3b, bench/results/2026-12-01_fused_probe_h200/); "kernel" keeps
+        3 * 4 * K * F bytes per token of f32 intermediates out of HBM.
     """
 
     d_model: int
@@ -177,6 +188,7 @@ class MoEConfig:
     row_tile: int = 64
     fused_rows: FusedRows = "copied"
     fused_residuals: FusedResiduals = "inputs"
+    fused_recompute: FusedRecompute = "gmm"
     token_chunk: int | None = None
 
     def __post_init__(self) -> None:
@@ -216,6 +228,10 @@ class MoEConfig:
         if self.fused_residuals not in FUSED_RESIDUALS:
             raise ValueError(
                 f"fused_residuals={self.fused_residuals!r} must be one of {FUSED_RESIDUALS}"
+            )
+        if self.fused_recompute not in FUSED_RECOMPUTES:
+            raise ValueError(
+                f"fused_recompute={self.fused_recompute!r} must be one of {FUSED_RECOMPUTES}"
             )
         put("buffer_factor", _check_float("buffer_factor", self.buffer_factor, positive=True))
         put("row_tile", check_int("row_tile", self.row_tile, minimum=8))

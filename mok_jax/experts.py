@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array, lax
 
-from mok_jax.config import FUSED_RESIDUALS, FUSED_ROWS
+from mok_jax.config import FUSED_RECOMPUTES, FUSED_RESIDUALS, FUSED_ROWS
 from mok_jax.permute import tokens_to_rows
 
 
@@ -131,6 +131,7 @@ def grouped_swiglu_fused(
     *,
     rows: str = "copied",
     residuals: str = "inputs",
+    recompute: str = "gmm",
     interpret: bool = False,
 ) -> Array:
     """Tokens x [T, D] -> f32 [N, D], row p the SwiGLU of token order_n[p] // top_k with its
@@ -145,6 +146,7 @@ def grouped_swiglu_fused(
     rows gathered once. `residuals` (config.FusedResiduals): "inputs", it recomputes gate and
     up (8 GEMM passes); "gate_up", the forward's kernel also stores gate and up and keeps them
     with h for the backward (3 [N, F] arrays in `dtype` more memory, 6 GEMM passes).
+    `recompute` (config.FusedRecompute), with "inputs": how gate and up are recomputed.
     `dtype` bfloat16 or float16; D and F multiples of 64.
 
     Shapes: w_gate, w_up [E, D, F]; w_down [E, F, D]; scale_n f32 [N]; group_sizes_e int32 [E]
@@ -164,10 +166,12 @@ def grouped_swiglu_fused(
         raise ValueError(f"rows={rows!r} must be one of {FUSED_ROWS}")
     if residuals not in FUSED_RESIDUALS:
         raise ValueError(f"residuals={residuals!r} must be one of {FUSED_RESIDUALS}")
+    if recompute not in FUSED_RECOMPUTES:
+        raise ValueError(f"recompute={recompute!r} must be one of {FUSED_RECOMPUTES}")
     weights = tuple(w.astype(dtype) for w in (w_gate_edf, w_up_edf, w_down_efd))
     plan = (group_sizes_e, order_n, inverse_n)
     return _fused(
-        (top_k, rows, residuals, interpret),
+        (top_k, rows, residuals, recompute, interpret),
         x_td.astype(dtype),
         *weights,
         scale_n.astype(jnp.float32),
@@ -182,7 +186,7 @@ def _fused_forward(
     read from x through the plan's order or from their copy."""
     from pallas_kernels.grouped_matmul import mosaic_gpu
 
-    top_k, rows, _, interpret = static
+    top_k, rows, _, _, interpret = static
     rows_n = order_n // top_k
     swiglu = functools.partial(mosaic_gpu.gmm_swiglu, gate_up_out=keep, interpret=interpret)
     if rows == "gathered":
@@ -214,7 +218,7 @@ def _fused_fwd(static, *operands):
 def _fused_bwd(static, residuals, g_nd):
     from pallas_kernels.grouped_matmul import ops as grouped_ops
 
-    top_k, _, _, interpret = static
+    top_k, _, _, recompute, interpret = static
     operands, saved = residuals
     x_td, w_gate, w_up, w_down, scale_n, group_sizes_e, order_n, inverse_n = operands
 
@@ -224,7 +228,16 @@ def _fused_bwd(static, residuals, g_nd):
     # fixed-order sum, no scatter-add).
     x_nd, rows_vjp = jax.vjp(lambda x: tokens_to_rows(x, order_n, inverse_n, top_k), x_td)
     d_x_nd, d_w_gate, d_w_up, d_w_down, _, d_scale = grouped_ops.swiglu_mlp_grads(
-        x_nd, w_gate, w_up, w_down, group_sizes_e, scale_n, g_nd, saved=saved, interpret=interpret
+        x_nd,
+        w_gate,
+        w_up,
+        w_down,
+        group_sizes_e,
+        scale_n,
+        g_nd,
+        saved=saved,
+        recompute=recompute,
+        interpret=interpret,
     )
     (d_x_td,) = rows_vjp(d_x_nd)
     return d_x_td, d_w_gate, d_w_up, d_w_down, d_scale, None, None, None

@@ -264,6 +264,7 @@ def _fused_experts(
             cfg.dtype,
             rows=cfg.fused_rows,
             residuals=cfg.fused_residuals,
+            recompute=cfg.fused_recompute,
             interpret=jax.default_backend() == "cpu",
         )
 

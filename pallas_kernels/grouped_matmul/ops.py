@@ -16,15 +16,17 @@
               [d_w_gate | d_w_up] (stored as two arrays: no slices of a [G, K, 2F] product).
 
   swiglu_mlp  y = s * (swiglu(lhs @ w_gate[g], lhs @ w_up[g]) @ w_down[g]) in f32 (s optional),
-              the whole expert MLP in one VJP. Its backward runs ONE kernel,
-              `mosaic_gpu.gmm_swiglu_bwd`, for gate and up (recomputed, nothing stored) and
-              g = dy @ w_down[g].T (dy rounded to the compute dtype), whose epilogue forms
-              h (the forward's bits), [d_gate | d_up] with dh = s * g, and d_s = rowsum(h * g)
-              over F (no recomputed down projection) without an f32 [M, F] array in HBM; then
-              gmm_swiglu's d_lhs and weight gradients, and d_w_down = tgmm(h, s * dy): 8 GEMM
-              passes in 4 kernels, against the 11 of gmm_swiglu's and gmm's VJPs chained (whose
-              h, gate/up and unscaled output are each recomputed). With `saved` (h, gate, up of
-              the forward) g is one gmm and the rest as gmm_swiglu's backward: 6 passes.
+              the whole expert MLP in one VJP. Its backward recomputes gate and up (nothing
+              stored) and forms g = dy @ w_down[g].T (dy rounded to the compute dtype), h (the
+              forward's bits), [d_gate | d_up] with dh = s * g, and d_s = rowsum(h * g) over F
+              (no recomputed down projection), in one of two ways (`Recompute`):
+              "gmm", three f32 gmm products then XLA's elementwise pass; "kernel", ONE kernel,
+              `mosaic_gpu.gmm_swiglu_bwd`, whose epilogue forms them with no f32 [M, F] array
+              in HBM. Then gmm_swiglu's d_lhs and weight gradients, and
+              d_w_down = tgmm(h, s * dy): 8 GEMM passes (in 6 kernels or 4), against the 11 of
+              gmm_swiglu's and gmm's VJPs chained (whose h, gate/up and unscaled output are
+              each recomputed). With `saved` (h, gate, up of the forward) g is one gmm and the
+              rest as gmm_swiglu's backward: 6 passes.
 Cotangents are cast to the compute dtype (lhs's) before they enter a kernel; weight gradients
 come out in the weights' dtype, input gradients in lhs's, d_s in f32. group_sizes gets no
 gradient. Every kernel call uses the defaults table's tiles (`tuning.py`).
@@ -40,6 +42,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import typing
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -48,12 +52,21 @@ from jax import Array, lax
 from pallas_kernels.grouped_matmul import mosaic_gpu
 from pallas_kernels.grouped_matmul.mosaic_gpu_wgrad import tgmm
 
+# How swiglu_mlp's backward recomputes gate, up and g = dy @ w_down.T, and forms h,
+# [d_gate | d_up] and d_s from them (module docstring). The same values either way (h to the
+# bit; the rest to their f32 rounding); on the H200 at qwen3_30b_a3b (131072 rows, D 2048,
+# F 768) "gmm" took 3.03 ms and "kernel" 3.73 ms (bench/results/2026-12-01_fused_probe_h200),
+# so "gmm" is the default; "kernel" keeps 3 f32 [M, F] arrays (12 * M * F bytes) out of HBM.
+Recompute = Literal["gmm", "kernel"]
+RECOMPUTES: tuple[str, ...] = typing.get_args(Recompute)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class _Static:
     transpose_rhs: bool = False
     out_dtype: jnp.dtype | None = None
     interpret: bool = False
+    recompute: Recompute = "gmm"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -275,7 +288,7 @@ def _swiglu_mlp_fwd(static, *operands):
 
 
 def _swiglu_mlp_bwd(static, residuals, dy):
-    return swiglu_mlp_grads(*residuals, dy, interpret=static.interpret)
+    return swiglu_mlp_grads(*residuals, dy, recompute=static.recompute, interpret=static.interpret)
 
 
 def swiglu_mlp_grads(
@@ -288,6 +301,7 @@ def swiglu_mlp_grads(
     dy: Array,
     *,
     saved: tuple[Array, Array, Array] | None = None,
+    recompute: Recompute = "gmm",
     interpret: bool = False,
 ) -> tuple[Array, Array, Array, Array, None, Array | None]:
     """The gradients of `swiglu_mlp` for its output's cotangent dy (f32 [M, N]): (d_lhs,
@@ -295,12 +309,20 @@ def swiglu_mlp_grads(
     dy enters the GEMMs rounded to lhs's dtype, d_row_scale included (f32 out, from that
     rounded dy). Public for `fused` layers whose forward reads lhs rows another way (gathered
     in-kernel). Outside shard_map, or with operands that already vary over the same mesh axes
-    (`swiglu_mlp` aligns them; this function does not)."""
+    (`swiglu_mlp` aligns them; this function does not). Without `saved`, gate and up are
+    recomputed as `recompute` says (`Recompute`)."""
+    if recompute not in RECOMPUTES:
+        raise ValueError(f"recompute={recompute!r} must be one of {RECOMPUTES}")
     static = _Static(interpret=interpret)
     dy_c = dy.astype(lhs.dtype)
     scale = None if row_scale is None else row_scale.astype(jnp.float32)[:, None]
     # dy times the row scale, for d_w_down.
     dy_down = dy_c if scale is None else (dy.astype(jnp.float32) * scale).astype(lhs.dtype)
+    if saved is None and recompute == "gmm":
+        gate, up = _gate_up(static, lhs, w_gate, w_up, group_sizes)
+        # The kernel epilogue's formula, so that h has the forward's bits.
+        h = (gate / (1.0 + jnp.exp(-gate)) * up).astype(lhs.dtype)
+        saved = (h, gate, up)
     if saved is None:
         # One kernel: gate, up and g = dy @ w_down.T over K = D, and from them (in its epilogue,
         # nothing f32 stored) h, [d_gate | d_up] and d_s.
@@ -321,7 +343,7 @@ def swiglu_mlp_grads(
             static, (lhs, w_gate, w_up, group_sizes), d_gate_up
         )
         return d_lhs, d_w_gate, d_w_up, _like(d_w_down, w_down), None, d_scale
-    # The forward's h, gate and up (gmm_swiglu(gate_up_out=True)): no GEMM for them here.
+    # h, gate and up recomputed above, or the forward's (gmm_swiglu(gate_up_out=True)).
     h, gate, up = saved
     gate, up = gate.astype(jnp.float32), up.astype(jnp.float32)
     # g = dy @ w_down[g].T in f32: dh without the row scale.
@@ -360,11 +382,15 @@ def swiglu_mlp(
     group_sizes_g: Array,
     *,
     row_scale_m: Array | None = None,
+    recompute: Recompute = "gmm",
     interpret: bool = False,
 ) -> Array:
     """Differentiable expert MLP on grouped rows: lhs [M, K] -> f32 [M, K],
     swiglu(lhs @ w_gate[g], lhs @ w_up[g]) @ w_down[g], each row times row_scale_m (f32 [M],
     optional, which then gets a gradient). The forward is `mosaic_gpu.gmm_swiglu` then
-    `mosaic_gpu.gmm`, bit for bit; the backward runs 8 GEMM passes (module docstring)."""
+    `mosaic_gpu.gmm`, bit for bit; the backward runs 8 GEMM passes (module docstring), its
+    recomputation as `recompute` says (`Recompute`)."""
+    if recompute not in RECOMPUTES:
+        raise ValueError(f"recompute={recompute!r} must be one of {RECOMPUTES}")
     operands = _vary_alike(lhs_mk, w_gate_gkf, w_up_gkf, w_down_gfk, group_sizes_g, row_scale_m)
-    return _swiglu_mlp(_Static(interpret=interpret), *operands)
+    return _swiglu_mlp(_Static(interpret=interpret, recompute=recompute), *operands)

@@ -67,6 +67,7 @@ def test_dtype_forms(dtype):
         (dict(token_chunk=12), r"token_chunk=12 must be a multiple of 8"),
         (dict(fused_rows="both"), r"fused_rows='both' must be one of"),
         (dict(fused_residuals="h"), r"fused_residuals='h' must be one of"),
+        (dict(fused_recompute="xla"), r"fused_recompute='xla' must be one of"),
     ],
 )
 def test_bad_values_name_themselves(changes, message):

@@ -113,3 +113,7 @@ def test_grouped_swiglu_fused_names_a_bad_rows_mode():
         grouped_swiglu_fused(
             x, *weights, scale, sizes, order, order, 1, canonical_dtype("bfloat16"), rows="both"
         )
+    with pytest.raises(ValueError, match="recompute='xla' must be one of"):
+        grouped_swiglu_fused(
+            x, *weights, scale, sizes, order, order, 1, canonical_dtype("bfloat16"), recompute="xla"
+        )

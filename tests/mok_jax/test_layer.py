@@ -292,22 +292,24 @@ class FusedLayerTest(chex.TestCase):
         # fused_residuals="gate_up": the forward's kernel also stores gate and up, and the
         # backward uses them (and h) instead of recomputing: same y, gradients to tolerance (the
         # SwiGLU derivative sees gate and up rounded to bf16), two GEMM passes fewer: one gmm
-        # for dy @ w_down.T where "inputs" runs gmm_swiglu_bwd (gate, up and that product),
-        # the same number of kernels.
+        # for dy @ w_down.T where "inputs" runs three (fused_recompute="gmm") or
+        # gmm_swiglu_bwd (gate, up and that product in one kernel: "kernel").
         cfg = with_impl(SCALED_PRESETS["qwen3_30b_a3b"], "fused", fused_residuals="gate_up")
         inputs_cfg = dataclasses.replace(cfg, fused_residuals="inputs")
+        kernel_cfg = dataclasses.replace(inputs_cfg, fused_recompute="kernel")
         x, params, cotangent = random_inputs(cfg, 24, seed=6)
         result = value_and_grads(x, params, cotangent, cfg=cfg)
         reference = value_and_grads(x, params, cotangent, cfg=with_impl(cfg, "reference"))
         assert_close_results(result, reference, cfg.dtype)
         (_, (y, _)), _ = result
-        (_, (y_inputs, _)), _ = value_and_grads(x, params, cotangent, cfg=inputs_cfg)
-        chex.assert_trees_all_equal(y, y_inputs)
+        for other in (inputs_cfg, kernel_cfg):
+            (_, (y_other, _)), _ = value_and_grads(x, params, cotangent, cfg=other)
+            chex.assert_trees_all_equal(y, y_other)
 
         def kernels(c):
             """(kernel calls, gmm_swiglu_bwd calls) of the forward and backward."""
             # A kernel call is a pallas_call on a GPU backend, its interpret-mode wrapper a
-            # custom_vmap_call on a CPU one (the two configs share every other such call).
+            # custom_vmap_call on a CPU one (the configs share every other such call).
             grads = jax.grad(lambda x, p: loss_and_outputs(x, p, cotangent, c)[0], (0, 1))
             with mock.patch.object(
                 mosaic_gpu, "gmm_swiglu_bwd", wraps=mosaic_gpu.gmm_swiglu_bwd
@@ -315,8 +317,10 @@ class FusedLayerTest(chex.TestCase):
                 text = str(jax.make_jaxpr(grads)(x, params))
             return text.count("pallas_call") + text.count("custom_vmap_call"), spy.call_count
 
-        self.assertEqual(kernels(inputs_cfg), (kernels(cfg)[0], 1))
-        self.assertEqual(kernels(cfg)[1], 0)
+        saved_kernels, saved_spy = kernels(cfg)
+        self.assertEqual(saved_spy, 0)
+        self.assertEqual(kernels(kernel_cfg), (saved_kernels, 1))
+        self.assertEqual(kernels(inputs_cfg), (saved_kernels + 2, 0))
 
     def test_drops_and_shared_experts_match_reference(self):
         # Capacity 1.0: rows past an expert's capacity are dropped (their weight is 0 in the

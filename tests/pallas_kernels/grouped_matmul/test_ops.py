@@ -122,15 +122,23 @@ def _mlp_spec(x, w_gate, w_up, w_down, sizes, scale=None):
     return y if scale is None else y * scale[:, None]
 
 
+@pytest.mark.parametrize("recompute", ops.RECOMPUTES)
 @pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_swiglu_mlp_values_and_gradients(case, weighted):
+def test_swiglu_mlp_values_and_gradients(case, weighted, recompute):
     t = _inputs(*case)
     args = (t["x"], t["w"], t["w2"], t["w_t"]) + ((t["scale"],) if weighted else ())
 
     def op(x, a, b, c, *scale):
         return ops.swiglu_mlp(
-            x, a, b, c, t["sizes"], row_scale_m=scale[0] if scale else None, interpret=True
+            x,
+            a,
+            b,
+            c,
+            t["sizes"],
+            row_scale_m=scale[0] if scale else None,
+            recompute=recompute,
+            interpret=True,
         )
 
     out, vjp = jax.vjp(op, *args)
@@ -151,11 +159,12 @@ def test_swiglu_mlp_values_and_gradients(case, weighted):
     chex.assert_trees_all_equal(out, chained)
 
 
-def test_swiglu_mlp_grads_from_the_saved_gate_up():
+@pytest.mark.parametrize("recompute", ops.RECOMPUTES)
+def test_swiglu_mlp_grads_from_the_saved_gate_up(recompute):
     """saved=(h, gate, up) of gmm_swiglu(gate_up_out=True): the same h, so d_w_down is the
-    recomputing backward's bits, and d_s the same f32 products summed in another order (the
-    recomputing kernel sums a tile's columns, then the tiles): f32-close; the rest see gate and
-    up rounded to bf16: close."""
+    recomputing backward's bits, and d_s the same f32 products: the same bits as "gmm" (XLA's
+    sum over F on both sides), f32-close to "kernel" (which sums a tile's columns, then the
+    tiles); the rest see gate and up rounded to bf16: close."""
     from pallas_kernels.grouped_matmul import mosaic_gpu
 
     t = _inputs(*CASES[0])
@@ -163,12 +172,33 @@ def test_swiglu_mlp_grads_from_the_saved_gate_up():
     saved = mosaic_gpu.gmm_swiglu(
         t["x"], t["w"], t["w2"], t["sizes"], gate_up_out=True, interpret=True
     )
-    recomputed = ops.swiglu_mlp_grads(*args, interpret=True)
+    recomputed = ops.swiglu_mlp_grads(*args, recompute=recompute, interpret=True)
     from_saved = ops.swiglu_mlp_grads(*args, saved=saved, interpret=True)
     chex.assert_trees_all_equal(from_saved[3], recomputed[3])  # d_w_down
-    _assert_close(from_saved[5], recomputed[5])  # d_s, f32
+    if recompute == "gmm":
+        chex.assert_trees_all_equal(from_saved[5], recomputed[5])  # d_s
+    else:
+        _assert_close(from_saved[5], recomputed[5])  # d_s, f32
     for i in (0, 1, 2):  # d_lhs, d_w_gate, d_w_up
         _assert_close(from_saved[i], recomputed[i], jnp.bfloat16)
+
+
+def test_swiglu_mlp_recomputes_agree_and_bad_ones_raise():
+    """ "gmm" and "kernel" form the same h (so d_w_down has the same bits) from the same f32
+    products; the rest differ by their rounding (the kernel's sigmoid is not XLA's logistic,
+    and d_s is summed in another order)."""
+    t = _inputs(*CASES[1])
+    args = (t["x"], t["w"], t["w2"], t["w_t"], t["sizes"], t["scale"], t["cotangent"])
+    by_gmm = ops.swiglu_mlp_grads(*args, recompute="gmm", interpret=True)
+    by_kernel = ops.swiglu_mlp_grads(*args, recompute="kernel", interpret=True)
+    chex.assert_trees_all_equal(by_gmm[3], by_kernel[3])
+    _assert_close(by_gmm[5], by_kernel[5])
+    for i in (0, 1, 2):
+        _assert_close(by_gmm[i], by_kernel[i], jnp.bfloat16)
+    with pytest.raises(ValueError, match="recompute='xla' must be one of"):
+        ops.swiglu_mlp_grads(*args, recompute="xla", interpret=True)
+    with pytest.raises(ValueError, match="recompute='xla' must be one of"):
+        ops.swiglu_mlp(*args[:5], recompute="xla", interpret=True)
 
 
 def test_swiglu_mlp_grads_take_a_row_scale_of_any_float_dtype():
@@ -235,7 +265,7 @@ def test_weighted_gmm_rejects_what_it_cannot_differentiate():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("op", ["chained", "swiglu_mlp"])
+@pytest.mark.parametrize("op", ["chained", "swiglu_mlp", "swiglu_mlp_kernel"])
 def test_gpu_swiglu_down_backward_is_repeatable_and_close(op):
     m, d, f, g = 8192, 2048, 768, 32
     keys = jax.random.split(jax.random.key(7), 6)
@@ -249,8 +279,11 @@ def test_gpu_swiglu_down_backward_is_repeatable_and_close(op):
     sizes = jnp.asarray(np.bincount(rng.integers(0, g, m - 50), minlength=g), jnp.int32)
 
     def layer(x, w_gate, w_up, w_down, scale, sizes):
-        if op == "swiglu_mlp":
-            return ops.swiglu_mlp(x, w_gate, w_up, w_down, sizes, row_scale_m=scale)
+        if op.startswith("swiglu_mlp"):
+            recompute = "kernel" if op.endswith("kernel") else "gmm"
+            return ops.swiglu_mlp(
+                x, w_gate, w_up, w_down, sizes, row_scale_m=scale, recompute=recompute
+            )
         h = ops.gmm_swiglu(x, w_gate, w_up, sizes)
         return ops.gmm(h, w_down, sizes, row_scale_m=scale)
 
