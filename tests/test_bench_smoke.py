@@ -660,3 +660,29 @@ def test_moe_layer_fused_options_set_the_fused_config_and_reject_unknown_fields(
     assert bench._computes("pallas") == layer.COMPUTES["pallas"]
     with pytest.raises(SystemExit):
         layer.parse_args(["--fused-options", "residuals=gate_up"])
+
+
+def test_moe_layer_fwd_bwd_returns_y_not_the_cancelling_loss():
+    """fwd_bwd's outputs are y (the forward's bits, checked entry by entry) and the gradients of
+    sum(y * cot); the loss itself, a sum that cancels, is not among them."""
+    from bench import moe_layer_h200 as layer
+    from mok_jax import init_params, moe
+
+    shape = layer.SMOKE_SHAPES[0]
+    cfg = shape.config("xla")
+    kx, kp, kc = jax.random.split(jax.random.key(3), 3)
+    x = jax.random.normal(kx, (16, cfg.d_model), jnp.float32).astype(jnp.bfloat16)
+    cot = jax.random.normal(kc, x.shape, jnp.float32).astype(jnp.bfloat16)
+    params = init_params(kp, cfg, dtype=jnp.bfloat16)
+
+    def fn(x, p):
+        return moe(x, p, cfg)[0]
+
+    names = layer.output_names("fwd_bwd", shared=False)
+    assert names[:2] == ("y", "dx") and "loss" not in names
+    outs = jax.jit(layer.jax_products(fn, "fwd_bwd", False))(x, params, cot)
+    assert len(outs) == len(names)
+    (y,) = jax.jit(layer.jax_products(fn, "forward", False))(x, params, cot)
+    np.testing.assert_array_equal(np.asarray(outs[0], np.float32), np.asarray(y, np.float32))
+    dx = jax.grad(lambda x: jnp.sum(fn(x, params).astype(jnp.float32) * cot.astype(jnp.float32)))(x)
+    np.testing.assert_array_equal(np.asarray(outs[1], np.float32), np.asarray(dx, np.float32))
