@@ -234,14 +234,13 @@ def _fused_experts(
     (weighted=True) gathers each token's K weighted rows and sums them in slot order. So y is
     the `pallas` implementation's, bit for bit.
 
-    Status (2026-11-30, bench/results/moe_layer_h200.md): on the H200, y matches the reference
-    and is bitwise repeatable at issue 5's three shapes, the gradients at qwen3_30b_a3b and
-    mixtral (the deepseek-v3 backward did not fit the run). Forward 1.37x
-    `pallas` at qwen3_30b_a3b (6.5 against 8.8 ms), 1.05x at the deepseek-v3 slice, 0.78x
-    at mixtral (measured with fused_rows="gathered", whose per-row TMAs cost more than the
-    copy: 2.84 against 0.41 + 1.71 ms at qwen3's gate/up, hence the "copied" default). The
-    backward (then the chained kernels' VJPs, 11 GEMM passes; now ops.swiglu_mlp's, 8) runs the
-    unfused kernels on the rows gathered once.
+    Status (2026-12-01, bench/results/moe_layer_h200.md): on the H200, y and the gradients
+    match the reference and are bitwise repeatable at issue 5's shapes. Forward+backward
+    13.4 ms at qwen3_30b_a3b (1.65x `pallas`, 2.45x MaxText's recipe on tokamax, 1.41x
+    torch._grouped_mm), 37.0 at mixtral (1.20x `pallas`, 0.89x torch), 24.3 at the deepseek-v3
+    slice (1.44x `pallas`, 1.12x torch); with fused_residuals="gate_up" and token_chunk 2048,
+    10.2 / 29.0 / 19.6 ms. The backward runs the unfused kernels (ops.swiglu_mlp_grads, 8 GEMM
+    passes, 6 with "gate_up") on the rows gathered once.
     """
     from mok_jax.experts import grouped_swiglu_fused
 

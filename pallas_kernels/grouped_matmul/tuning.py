@@ -245,9 +245,12 @@ DEFAULT_CONFIGS: dict[tuple[ShapeClass, str], TileConfig] = {
     ("gmm_swiglu", "NVIDIA H200"): TileConfig(
         block_n=128, epi_block_n=64, grid_minor_dim="m", grid_tile_width=16, consumer_dim="m"
     ),
-    # gmm_swiglu_bwd (NOT YET MEASURED): three f32 accumulators (gate, up, dy @ w_down.T) a
-    # consumer, so each consumer holds 64 x 64 of them (96 registers a thread) where gmm_swiglu
-    # holds 64 x 128 of two; two lhs tiles and three rhs tiles a stage: three stages fit.
+    # gmm_swiglu_bwd: three f32 accumulators (gate, up, dy @ w_down.T) a consumer, so each
+    # consumer holds 64 x 64 of them (96 registers a thread) where gmm_swiglu holds 64 x 128 of
+    # two; two lhs tiles and three rhs tiles a stage: three stages fit. Measured once
+    # (2026-12-01, qwen3's 131072 rows): 3.73 ms, 332 TFLOP/s, slower than three f32 gmm calls
+    # and XLA's epilogue (3.03 ms), so ops.Recompute's default does not use it; block_n 128
+    # (2 stages) took 7.43 ms. Other tiles not yet measured (bench/fused_probe.py).
     ("gmm_swiglu_bwd", "NVIDIA H200"): TileConfig(
         block_n=64,
         max_concurrent_steps=3,
