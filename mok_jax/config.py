@@ -47,6 +47,8 @@ FusedResiduals = Literal["inputs", "gate_up"]
 # dy @ w_down.T, then h, [d_gate | d_up] and the routing weights' gradient from them): "gmm"
 # (three f32 grouped GEMMs, then XLA's elementwise pass) or "kernel" (one kernel,
 # mosaic_gpu.gmm_swiglu_bwd, no f32 [T*K, F] array in HBM). See pallas_kernels' ops.Recompute.
+# The `pallas` implementation's backward always recomputes with "gmm" (ops.Recompute's
+# default); it ran the kernel from session 8's 32f407a to ea58fad.
 FusedRecompute = Literal["gmm", "kernel"]
 
 IMPLEMENTATIONS: tuple[str, ...] = typing.get_args(Implementation)
@@ -162,9 +164,9 @@ class MoEConfig:
         bench/results/2026-11-30_fused_probe_h200/).
       fused_residuals: with implementation 'fused', what its forward keeps for the backward
         (see `FusedResiduals`): "inputs" is lean, "gate_up" skips recomputing the gate and up
-        projections for 3 * K * F more values per token. With token_chunk 2048, "gate_up" ran
-        mixtral_8x7b's forward+backward in 29.0 ms against 37.0 for the defaults on the H200
-        (bench/results/moe_layer_h200.md).
+        projections for 3 * K * F more values per token. "gate_up" and token_chunk 2048
+        together ran mixtral_8x7b's forward+backward in 29.0 ms against 37.0 for the defaults
+        on the H200 (bench/results/moe_layer_h200.md; their shares not measured apart).
       fused_recompute: with implementation 'fused' and residuals "inputs", how the backward
         recomputes gate and up (see `FusedRecompute`); the same values (h to the bit, the rest
         to their f32 rounding). "gmm" is faster on the H200 (3.03 against 3.73 ms at

@@ -100,7 +100,8 @@ def grouped_swiglu_pallas(
     its weight (in f32) and the weighted rows are returned, and `weights_n` gets a gradient.
     Rows past sum(group_sizes_e) come out as zeros. `dtype` must be bfloat16 or float16; D and F
     must be multiples of 64 (the defaults table's tiles narrow to fit). `interpret=True` runs the
-    kernels under GPU interpret mode (CPU tests).
+    kernels under GPU interpret mode (CPU tests). The backward recomputes gate and up as
+    `ops.swiglu_mlp` does by default (`ops.Recompute` "gmm").
 
     Example:
       y_nd = grouped_swiglu_pallas(x, w_gate, w_up, w_down, sizes, jnp.bfloat16, weights_n=w)

@@ -4,7 +4,8 @@
 
 The benchmark's own inputs (bench.moe_layer_h200.make_inputs, same seeds), y from
 implementation "xla" on the CPU (~35 s), then the loss in f64, its natural scale, and the loss
-after moving a fifth of y's entries by one bf16 ulp (random sign). Output: loss_conditioning.log.
+after moving two fifths of y's entries by |y| 2^-8 (half to one bf16 ulp; random sign).
+Output: loss_conditioning.log.
 """
 
 import jax
@@ -26,4 +27,4 @@ rng = np.random.default_rng(0)
 ulp = np.abs(y) * 2.0**-8
 for _ in range(3):
     moved = y + ulp * rng.choice([-1, 0, 0, 0, 1], size=y.shape)
-    print("loss with a fifth of y moved by one bf16 ulp:", (moved * c).sum())
+    print("loss with two fifths of y moved by |y| 2^-8:", (moved * c).sum())
