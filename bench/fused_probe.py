@@ -235,8 +235,13 @@ def backward(name: str, configs: bool = False) -> Iterator[dict]:
     _progress(f"{name}: {checks}")
     if not checks["h_bitwise"] or max(v for key, v in checks.items() if key != "h_bitwise") > 0.02:
         raise AssertionError(f"{name}: the new backward differs from the one before: {checks}")
-    passes = {"bwd_kernel": 3, "bwd_xla_epilogue": 3, "bwd_all": 8, "bwd_all_kernel": 8}
-    passes["bwd_all_before"] = 8
+    passes = {
+        "bwd_kernel": 3,
+        "bwd_xla_epilogue": 3,
+        "bwd_all": 8,
+        "bwd_all_kernel": 8,
+        "bwd_all_before": 8,
+    }
     fns = {
         "bwd_kernel": bwd_kernel,
         "bwd_xla_epilogue": _xla_epilogue,
