@@ -157,16 +157,19 @@ class MoEConfig:
         (512). A multiple of 8. Larger chunks take fewer loop steps (each costs launches) and
         pad more when a device holds few tokens; y changes in its last bits with it. On the
         H200, `fused` at qwen3_30b_a3b (16384 tokens): 2048 took its forward+backward from
-        14.5 to 12.3 ms (bench/results/2026-12-01_layer_profile_h200/).
+        14.5 to 12.3 ms (bench/results/2026-12-01_layer_profile_h200/); at mixtral_8x7b and
+        the deepseek-v3 slice (16 and 8 steps at 512) the gain was within the noise.
       fused_rows: with implementation 'fused', where the gate/up kernel's rows come from (see
         `FusedRows`); both give the same bits. "gathered" saves the [T*K, D] copy of the
         tokens; "copied" is faster on the H200 (2.1 against 2.8 ms at qwen3_30b_a3b's gate/up,
         bench/results/2026-11-30_fused_probe_h200/).
       fused_residuals: with implementation 'fused', what its forward keeps for the backward
         (see `FusedResiduals`): "inputs" is lean, "gate_up" skips recomputing the gate and up
-        projections for 3 * K * F more values per token. "gate_up" and token_chunk 2048
-        together ran mixtral_8x7b's forward+backward in 29.0 ms against 37.0 for the defaults
-        on the H200 (bench/results/moe_layer_h200.md; their shares not measured apart).
+        projections (2 of a forward+backward's 11 GEMM passes) for 3 * K * F more values per
+        token. On the H200 "gate_up" alone ran mixtral_8x7b's forward+backward in 30.3 ms
+        against 37.0-38.1 for the defaults, and the deepseek-v3 slice's in 21.9 against
+        24.3-24.8, for 176 KiB of activations a token against 8 KiB at mixtral
+        (bench/results/moe_layer_h200.md, bench/results/2026-11-30_activation_memory.md).
       fused_recompute: with implementation 'fused' and residuals "inputs", how the backward
         recomputes gate and up (see `FusedRecompute`); the same values (h to the bit, the rest
         to their f32 rounding). "gmm" is faster on the H200 (3.03 against 3.73 ms at

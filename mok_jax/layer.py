@@ -235,14 +235,15 @@ def _fused_experts(
     the `pallas` implementation's, bit for bit.
 
     Status (2026-12-01, bench/results/moe_layer_h200.md): on the H200 at issue 5's shapes, y
-    and dx pass the reference check on the first tokens and every gradient the check against
-    `pallas`, and all are bitwise repeatable (the deepseek-v3 run's only failed check was the
-    loss sum(y * cotangent), which cancels there: see bench/moe_layer_h200.output_names).
-    Forward+backward 13.4 ms at qwen3_30b_a3b (1.65x `pallas`, 2.45x MaxText's recipe on
-    tokamax, 1.41x torch._grouped_mm), 37.0 at mixtral (1.20x `pallas`, 0.89x torch), 24.3 at
-    the deepseek-v3 slice (1.44x `pallas`, 1.12x torch); with fused_residuals="gate_up" and
-    token_chunk 2048, 10.2 / 29.0 / 19.6 ms. The backward runs the unfused kernels
-    (ops.swiglu_mlp_grads, 8 GEMM passes, 6 with "gate_up") on the rows gathered once.
+    and dx pass the reference check on the first tokens and every output the check against
+    the other candidates, and all are bitwise repeatable. Forward+backward 13.4 ms at
+    qwen3_30b_a3b (1.65x `pallas`, 2.45x MaxText's recipe on tokamax, 1.41x
+    torch._grouped_mm), 37.0 at mixtral (1.20x `pallas`, 2.11x tokamax, 0.89x torch), 24.3
+    at the deepseek-v3 slice (1.44x `pallas`, 2.16x tokamax, 1.12x torch); with
+    fused_residuals="gate_up" and token_chunk 2048, 10.1 / 29.6 / 20.4 ms (3.19x / 2.64x /
+    2.74x tokamax, 1.84x / 1.11x / 1.44x torch). `xla` is 9-10x slower. The backward runs
+    the unfused kernels (ops.swiglu_mlp_grads, 8 GEMM passes, 6 with "gate_up") on the rows
+    gathered once.
     """
     from mok_jax.experts import grouped_swiglu_fused
 
