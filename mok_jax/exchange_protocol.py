@@ -1,0 +1,158 @@
+"""The protocol of the in-kernel exchange (issue 7): who writes which slot, which semaphore
+counts what, in which order. Pure functions of the all-gathered counts (`exchange.Traffic`),
+so every slot and every count is known before any row moves.
+
+Layout. Receiver d orders the rows it gets by (its local expert g, source s, the row's position
+among s's sorted rows): its expert-major order. Round r carries positions [r W, (r + 1) W) of
+that order (W = `window`, the rows a receiver holds per round). In round r's buffer of U * tile
+slots (U = ceil(W / tile) + G, the bound of `tiles.tile_layout`), expert g's rows of the round
+start on a tile boundary, in expert-major order: every tile holds one expert's rows, in global
+token order, as on one device.
+
+A piece is a maximal run of one source's rows in one tile of one round: one copy, one signal.
+
+The exchange, per round r (the forward moves x and brings back the results; the backward moves
+dy and brings back the input gradients the same way):
+  1. Source s waits for receiver d's credit for round r - 1 (when r > 0), then copies each of
+     its pieces for d to the slots `row_places` gives and signals d's semaphore of that tile
+     once a piece, after the copy.
+  2. Receiver d computes tile u once its semaphore has counted `tile_arrivals` pieces.
+  3. It copies each piece's results back to the piece's source, to the rows' own positions, and
+     signals the source's semaphore of receiver d once a piece.
+  4. Once every tile of round r is computed, d gives each source a credit: round r + 1 may
+     overwrite the buffer.
+  5. Source s has all of round r's results back after `return_arrivals[d]` signals from each d.
+
+Invariants (tested; 2 and 3 also on the CPU model of the copies and semaphores,
+tests/mok_jax/protocol_sim.py):
+  1. Within a receiver's round every row has its own slot; a tile holds one expert's rows.
+  2. A slot is written once a round, before the wait that covers its tile returns.
+  3. Every wait counts exactly the signals sent to it: no deadlock, no early read.
+  4. Slots and counts are functions of the counts alone, never of arrival order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import Array
+
+from mok_jax.exchange import Traffic, exclusive_cumsum
+
+
+def num_tiles(window: int, tile: int, num_local: int) -> int:
+    """U, the tiles of a receiver's buffer: ceil(W / tile) + G (each expert's run of a round
+    may end in a partial tile)."""
+    return -(-window // tile) + num_local
+
+
+def _counts_sdg(t: Traffic) -> Array:
+    num_devices = t.counts_se.shape[0]
+    return t.counts_se.reshape(num_devices, num_devices, t.num_local)
+
+
+def order_starts(t: Traffic) -> tuple[Array, Array]:
+    """(start_sdg, expert_start_dg): where source s's rows of d's local expert g start in d's
+    expert-major order [EP, EP, G], and where expert g's rows start there [EP, G]."""
+    counts_sdg = _counts_sdg(t)
+    total_dg = jnp.sum(counts_sdg, axis=0, dtype=jnp.int32)
+    expert_start_dg = exclusive_cumsum(total_dg, axis=1)
+    return expert_start_dg[None] + exclusive_cumsum(counts_sdg, axis=0), expert_start_dg
+
+
+def _round_runs(t: Traffic, dest: Array, round_index: Array, window: int, tile: int):
+    """Expert g's run of round r at receiver d: (lo_g, hi_g) in expert-major positions and the
+    run's first tile. dest and round_index broadcast: [...] -> [..., G] each."""
+    _, expert_start_dg = order_starts(t)
+    total_dg = jnp.sum(_counts_sdg(t), axis=0, dtype=jnp.int32)
+    start_g = expert_start_dg[dest]
+    lo_w = (jnp.asarray(round_index, jnp.int32) * window)[..., None]
+    lo_g = jnp.clip(start_g, lo_w, lo_w + window)
+    hi_g = jnp.clip(start_g + total_dg[dest], lo_w, lo_w + window)
+    tiles_g = (hi_g - lo_g + tile - 1) // tile
+    return lo_g, hi_g, exclusive_cumsum(tiles_g, axis=-1)
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["dest_n", "expert_n", "round_n", "slot_n"],
+    meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True)
+class RowPlaces:
+    """Where each of a source's N sorted rows goes (int32 [N] each; -1 for rows past the
+    counts, which go nowhere).
+
+    Attributes:
+      dest_n: the receiver (the device owning the row's expert).
+      expert_n: the row's local expert there.
+      round_n: the round in which it travels.
+      slot_n: its slot in the receiver's buffer in that round (tile = slot // tile).
+    """
+
+    dest_n: Array
+    expert_n: Array
+    round_n: Array
+    slot_n: Array
+
+
+def row_places(t: Traffic, source: Array, num_rows: int, window: int, tile: int) -> RowPlaces:
+    """The places of source's N sorted rows (sorted by global expert, as `plan` sorts them)."""
+    start_sdg, _ = order_starts(t)
+    counts_e = t.counts_se[source]
+    ends_e = jnp.cumsum(counts_e, dtype=jnp.int32)
+    row_n = jnp.arange(num_rows, dtype=jnp.int32)
+    expert_n = jnp.searchsorted(ends_e, row_n, side="right", method="scan_unrolled")
+    valid_n = expert_n < counts_e.shape[0]
+    expert_n = jnp.minimum(expert_n, counts_e.shape[0] - 1).astype(jnp.int32)
+    dest_n, local_n = expert_n // t.num_local, expert_n % t.num_local
+    rank_n = row_n - (ends_e - counts_e)[expert_n]
+    position_n = start_sdg[source, dest_n, local_n] + rank_n
+    round_n = position_n // window
+    lo_ng, _, tile_start_ng = _round_runs(t, dest_n, round_n, window, tile)
+    pick = functools.partial(jnp.take_along_axis, indices=local_n[:, None], axis=1)
+    slot_n = pick(tile_start_ng)[:, 0] * tile + position_n - pick(lo_ng)[:, 0]
+    invalid = jnp.int32(-1)
+    return RowPlaces(
+        dest_n=jnp.where(valid_n, dest_n, invalid),
+        expert_n=jnp.where(valid_n, local_n, invalid),
+        round_n=jnp.where(valid_n, round_n, invalid),
+        slot_n=jnp.where(valid_n, slot_n, invalid),
+    )
+
+
+def _piece_tiles(t: Traffic, dest: Array, round_index: Array, window: int, tile: int):
+    """Each (source, local expert)'s rows at receiver `dest` in round r, as tiles: (first_sg,
+    last_sg, nonempty_sg) [EP, G]."""
+    start_sdg, _ = order_starts(t)
+    start_sg = start_sdg[:, dest]
+    lo_g, hi_g, tile_start_g = _round_runs(t, dest, round_index, window, tile)
+    a_sg = jnp.clip(start_sg, lo_g, hi_g)
+    b_sg = jnp.clip(start_sg + _counts_sdg(t)[:, dest], lo_g, hi_g)
+    base_g = tile_start_g * tile - lo_g
+    first_sg = (base_g + a_sg) // tile
+    last_sg = (base_g + b_sg - 1) // tile
+    return first_sg, last_sg, b_sg > a_sg
+
+
+def tile_arrivals(t: Traffic, dest: Array, round_index: Array, window: int, tile: int) -> Array:
+    """int32 [U]: the pieces receiver `dest` waits for in each tile of round r (0: unused)."""
+    first_sg, last_sg, nonempty_sg = _piece_tiles(t, dest, round_index, window, tile)
+    tile_u = jnp.arange(num_tiles(window, tile, t.num_local), dtype=jnp.int32)
+    covers = (first_sg[..., None] <= tile_u) & (tile_u <= last_sg[..., None])
+    return jnp.sum(covers & nonempty_sg[..., None], axis=(0, 1), dtype=jnp.int32)
+
+
+def return_arrivals(t: Traffic, source: Array, round_index: Array, window: int, tile: int) -> Array:
+    """int32 [EP]: the pieces source s gets back from each receiver in round r."""
+    num_devices = t.counts_se.shape[0]
+
+    def from_dest(dest):
+        first_sg, last_sg, nonempty_sg = _piece_tiles(t, dest, round_index, window, tile)
+        pieces_g = jnp.where(nonempty_sg[source], last_sg[source] - first_sg[source] + 1, 0)
+        return jnp.sum(pieces_g, dtype=jnp.int32)
+
+    return jax.vmap(from_dest)(jnp.arange(num_devices, dtype=jnp.int32))
