@@ -156,3 +156,67 @@ def return_arrivals(t: Traffic, source: Array, round_index: Array, window: int, 
         return jnp.sum(pieces_g, dtype=jnp.int32)
 
     return jax.vmap(from_dest)(jnp.arange(num_devices, dtype=jnp.int32))
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["row_p", "slot_p", "size_p", "dest_p", "round_p", "tile_p", "count"],
+    meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True)
+class Pieces:
+    """A source's pieces in row order (int32 [P] each, P = N: at most one a row). The first
+    `count` (int32 []) are real; the rest have size 0 and dest, round and tile -1.
+
+    Attributes:
+      row_p: the piece's first row among the source's sorted rows.
+      slot_p: its first slot in the receiver's buffer.
+      size_p: its rows (at most the tile's).
+      dest_p, round_p, tile_p: its receiver, round and tile there.
+    """
+
+    row_p: Array
+    slot_p: Array
+    size_p: Array
+    dest_p: Array
+    round_p: Array
+    tile_p: Array
+    count: Array
+
+
+def pieces(places: RowPlaces, tile: int) -> Pieces:
+    """The pieces of a source's rows: maximal runs of rows with one (receiver, round, tile)
+    and consecutive slots. Routed rows are a prefix of the rows (the padding is last)."""
+    valid_n = places.dest_n >= 0
+    tile_n = jnp.where(valid_n, places.slot_n // tile, -1)
+
+    def before(a):  # each row's predecessor's value (-2 before the first: matches nothing)
+        return jnp.concatenate([jnp.full((1,), -2, a.dtype), a[:-1]])
+
+    continues_n = (
+        (before(places.dest_n) == places.dest_n)
+        & (before(places.round_n) == places.round_n)
+        & (before(tile_n) == tile_n)
+        & (before(places.slot_n) + 1 == places.slot_n)
+    )
+    starts_n = valid_n & ~continues_n
+    count = jnp.sum(starts_n, dtype=jnp.int32)
+    # Start rows first, in row order (a stable sort of "not a start").
+    row_p = jnp.argsort(~starts_n, stable=True).astype(jnp.int32)
+    real_p = jnp.arange(row_p.shape[0], dtype=jnp.int32) < count
+    routed = jnp.sum(valid_n, dtype=jnp.int32)
+    next_p = jnp.where(real_p[1:], row_p[1:], routed)
+    size_p = jnp.where(real_p, jnp.concatenate([next_p, routed[None]]) - row_p, 0)
+
+    def at_start(a_n):
+        return jnp.where(real_p, a_n[row_p], -1)
+
+    return Pieces(
+        row_p=jnp.where(real_p, row_p, 0),
+        slot_p=jnp.where(real_p, places.slot_n[row_p], 0),
+        size_p=size_p,
+        dest_p=at_start(places.dest_n),
+        round_p=at_start(places.round_n),
+        tile_p=at_start(tile_n),
+        count=count,
+    )

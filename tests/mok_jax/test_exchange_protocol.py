@@ -115,6 +115,25 @@ def test_semaphore_counts_are_the_pieces_sent(case):
             np.testing.assert_array_equal(back, counted)
 
 
+@given(protocol_cases())
+def test_pieces_are_the_runs_of_rows_in_one_tile(case):
+    """The traceable `pieces` (what the kernels read) against a loop over the rows."""
+    counts_se, num_local, num_rows, window, tile = case
+    t = exchange.traffic(jnp.asarray(counts_se), num_local)
+    for s in range(counts_se.shape[0]):
+        places = xp.row_places(t, jnp.int32(s), num_rows, window, tile)
+        got = jax.tree.map(np.asarray, xp.pieces(places, tile))
+        count = int(got.count)
+        want = pieces(places, s, tile)
+        assert count == len(want)
+        assert [
+            (got.dest_p[i], got.round_p[i], got.tile_p[i], got.row_p[i], got.slot_p[i],
+             got.size_p[i])
+            for i in range(count)
+        ] == [(p.dest, p.round, p.tile, p.row, p.slot, p.size) for p in want]  # fmt: skip
+        assert (got.size_p[count:] == 0).all() and (got.dest_p[count:] == -1).all()
+
+
 def test_the_tables_trace_under_jit_with_traced_device_and_round():
     counts_se = np.array([[3, 0, 5, 2], [1, 4, 0, 6]], np.int32)
     t = exchange.traffic(jnp.asarray(counts_se), 2)
