@@ -148,6 +148,12 @@ def test_fp8_moves_fewer_dispatch_bytes_and_computes_faster(h200):
     assert fp8.forward.gemm < bf16.forward.gemm
 
 
+def _hardware(**changes) -> rm.Hardware:
+    """A valid toy Hardware with `changes`."""
+    fields = dict(name="x", peak_tflops_bf16=1, peak_tflops_fp8=None, hbm_tbps=1, link_gbps=1)
+    return rm.Hardware(**{**fields, **changes})
+
+
 @pytest.mark.parametrize(
     ("factory", "match"),
     [
@@ -167,34 +173,9 @@ def test_fp8_moves_fewer_dispatch_bytes_and_computes_faster(h200):
         (lambda: _workload(fused_residuals="all"), "fused_residuals"),
         (lambda: rm.ExchangeConfig(comm_sm_share=1.5), "comm_sm_share"),
         (lambda: rm.ExchangeConfig(a2a_bytes_factor=0.5), "a2a_bytes_factor"),
-        (
-            lambda: rm.Hardware(
-                name="x", peak_tflops_bf16=-1, peak_tflops_fp8=None, hbm_tbps=1, link_gbps=1
-            ),
-            "peak_tflops_bf16",
-        ),
-        (
-            lambda: rm.Hardware(
-                name="x",
-                peak_tflops_bf16=1,
-                peak_tflops_fp8=None,
-                hbm_tbps=1,
-                link_gbps=1,
-                gemm_efficiency=1.2,
-            ),
-            "gemm_efficiency",
-        ),
-        (
-            lambda: rm.Hardware(
-                name="x",
-                peak_tflops_bf16=1,
-                peak_tflops_fp8=None,
-                hbm_tbps=1,
-                link_gbps=1,
-                collective_latency_us=-1,
-            ),
-            "collective_latency_us",
-        ),
+        (lambda: _hardware(peak_tflops_bf16=-1), "peak_tflops_bf16"),
+        (lambda: _hardware(gemm_efficiency=1.2), "gemm_efficiency"),
+        (lambda: _hardware(collective_latency_us=-1), "collective_latency_us"),
     ],
 )
 def test_bad_inputs_raise(factory, match):
