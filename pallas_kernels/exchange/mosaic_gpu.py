@@ -4,13 +4,16 @@
 own buffer has counted the pieces the protocol says it gets. No collective launch, no host
 sync, no placement by arrival: slots and counts come from mok_jax/exchange_protocol.py.
 
-Status (2026-12-01): NOT YET WORKING, and called by nothing in the library. It lowers for CUDA
-inside shard_map on 8 devices (a CI test), but its first run on the H200 (a 1-device mesh, the
-copies going to the device itself) did not return within 100 s: a hang, not yet diagnosed
-(bench/results/2026-12-01_exchange_dispatch_h200/). The protocol it carries out is tested on
-its own (tests/mok_jax/test_exchange_protocol.py). The design: rows move through shared memory
-one row-chunk at a time, and no GEMM runs in the kernel yet (the experts read the buffer
-afterwards); fusing the tile waits into the grouped GEMM's producer comes after it works.
+Status (2026-12-01): NOT YET SHOWN TO WORK, and called by nothing in the library. It lowers for
+CUDA inside shard_map on 8 devices (a CI test). Its first run on the H200 (a 1-device mesh, the
+copies going to the device itself) hung (bench/results/2026-12-01_exchange_dispatch_h200/).
+Found afterwards, on the CPU: the tile semaphores were kernel scratch, which Pallas allocates
+per block, so block 0 counted only its own pieces; they are now one set for the kernel
+(`pl.get_global`). The copy path alone ran right under interpret mode. Not yet re-run on a GPU.
+The protocol it carries out is tested on its own (tests/mok_jax/test_exchange_protocol.py).
+The design: rows move through shared memory one row-chunk at a time, and no GEMM runs in the
+kernel yet (the experts read the buffer afterwards); fusing the tile waits into the grouped
+GEMM's producer comes after it works.
 
 Invariants:
   1. Each slot of a receiver's buffer is written by one piece, once a round (the protocol's
@@ -60,7 +63,6 @@ def _dispatch_kernel(
     buf_ref,
     stage_smem,
     loaded,
-    arrive_sems,
     *,
     num_blocks: int,
     chunk_cols: int,
@@ -69,6 +71,9 @@ def _dispatch_kernel(
 ):
     block = lax.axis_index("blocks")
     round_index = round_ref[0]
+    # One semaphore a tile for the whole kernel (and, through the peers' copies, for every
+    # device): a scratch semaphore would be one per block, so block 0 would count only its own.
+    arrive_sems = pl.get_global(plgpu.SemaphoreType.REGULAR((num_tiles,)))
 
     # 1. This device's pieces of the round, piece p by block p % num_blocks.
     @pl.loop(block, count_ref[0], step=num_blocks)
@@ -161,7 +166,6 @@ def dispatch(
         scratch_types=[
             plgpu.SMEM((1, chunk_cols), x_nd.dtype),
             plgpu.Barrier(num_arrivals=1),
-            plgpu.SemaphoreType.REGULAR((num_tiles,)),
         ],
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )(x_nd, *tables, scalar(count), arrivals_u, scalar(round_index))

@@ -1,8 +1,8 @@
 """The dispatch kernel of the in-kernel exchange: it lowers for CUDA inside shard_map on 8
 devices (CI, on the CPU), rejects bad tables, and its spec (reference.py) puts every row where
 the protocol says. On GPUs (a 1-device mesh on one GPU: the exchange's copies go to itself)
-its buffers should be the reference's, bit for bit, round by round: that test is skipped while
-the kernel hangs on the H200 (see mosaic_gpu.py's status)."""
+its buffers should be the reference's, bit for bit, round by round: that test is skipped until
+the kernel has run on a GPU (see mosaic_gpu.py's status)."""
 
 from __future__ import annotations
 
@@ -149,7 +149,8 @@ def test_the_reference_puts_every_row_where_the_protocol_says():
 @pytest.mark.gpu
 @pytest.mark.skip(
     reason="the kernel hung on its first H200 run (2026-12-01, 1-device mesh; "
-    "bench/results/2026-12-01_exchange_dispatch_h200/): run this by hand when debugging it"
+    "bench/results/2026-12-01_exchange_dispatch_h200/); its likely cause is fixed but not yet "
+    "run on a GPU: run this by hand, then drop the skip"
 )
 @pytest.mark.parametrize("num_local,num_rows,window,tile", [(4, 4096, 3072, 64), (3, 200, 96, 8)])
 def test_gpu_dispatch_fills_the_buffers_of_the_reference(num_local, num_rows, window, tile):
