@@ -5,9 +5,10 @@ so every slot and every count is known before any row moves.
 Layout. Receiver d orders the rows it gets by (its local expert g, source s, the row's position
 among s's sorted rows): its expert-major order. Round r carries positions [r W, (r + 1) W) of
 that order (W = `window`, the rows a receiver holds per round). In round r's buffer of U * tile
-slots (U = ceil(W / tile) + G, the bound of `tiles.tile_layout`), expert g's rows of the round
-start on a tile boundary, in expert-major order: every tile holds one expert's rows, in global
-token order, as on one device.
+slots (U = ceil(W / tile) + G: each expert's run of a round may end in a partial tile), expert
+g's rows of the round start on a tile boundary, in expert-major order: every tile holds one
+expert's rows, in global token order. (Where a round boundary splits an expert's rows, its
+tiles are cut there, unlike on one device; a row's own result does not depend on its tile.)
 
 A piece is a maximal run of one source's rows in one tile of one round: one copy, one signal.
 
@@ -20,11 +21,13 @@ dy and brings back the input gradients the same way):
   3. It copies each piece's results back to the piece's source, to the rows' own positions, and
      signals the source's semaphore of receiver d once a piece.
   4. Once every tile of round r is computed, d gives each source a credit: round r + 1 may
-     overwrite the buffer.
+     overwrite the receive buffer. Before d's round r + 1 writes its results, d waits for its
+     round-r return copies to have left (its results buffer is reused too).
   5. Source s has all of round r's results back after `return_arrivals[d]` signals from each d.
 
 Invariants (tested; 2 and 3 also on the CPU model of the copies and semaphores,
-tests/mok_jax/protocol_sim.py):
+tests/mok_jax/protocol_sim.py, where a receiver waits for each piece's bytes on the tile's DMA
+semaphore rather than counting signals):
   1. Within a receiver's round every row has its own slot; a tile holds one expert's rows.
   2. A slot is written once a round, before the wait that covers its tile returns.
   3. Every wait counts exactly the signals sent to it: no deadlock, no early read.
@@ -46,7 +49,13 @@ from mok_jax.exchange import Traffic, exclusive_cumsum
 def num_tiles(window: int, tile: int, num_local: int) -> int:
     """U, the tiles of a receiver's buffer: ceil(W / tile) + G (each expert's run of a round
     may end in a partial tile)."""
+    _check_sizes(window, tile)
     return -(-window // tile) + num_local
+
+
+def _check_sizes(window: int, tile: int) -> None:
+    if window < 1 or tile < 1:
+        raise ValueError(f"window={window} and tile={tile} must be >= 1")
 
 
 def _counts_sdg(t: Traffic) -> Array:
@@ -100,7 +109,9 @@ class RowPlaces:
 
 
 def row_places(t: Traffic, source: Array, num_rows: int, window: int, tile: int) -> RowPlaces:
-    """The places of source's N sorted rows (sorted by global expert, as `plan` sorts them)."""
+    """The places of source's N sorted rows (sorted by global expert, as `plan` sorts them;
+    N at least the source's routed rows, which are the first ones)."""
+    _check_sizes(window, tile)
     start_sdg, _ = order_starts(t)
     counts_e = t.counts_se[source]
     ends_e = jnp.cumsum(counts_e, dtype=jnp.int32)
@@ -127,6 +138,7 @@ def row_places(t: Traffic, source: Array, num_rows: int, window: int, tile: int)
 def _piece_tiles(t: Traffic, dest: Array, round_index: Array, window: int, tile: int):
     """Each (source, local expert)'s rows at receiver `dest` in round r, as tiles: (first_sg,
     last_sg, nonempty_sg) [EP, G]."""
+    _check_sizes(window, tile)
     start_sdg, _ = order_starts(t)
     start_sg = start_sdg[:, dest]
     lo_g, hi_g, tile_start_g = _round_runs(t, dest, round_index, window, tile)
@@ -187,6 +199,7 @@ class Pieces:
 def pieces(places: RowPlaces, tile: int) -> Pieces:
     """The pieces of a source's rows: maximal runs of rows with one (receiver, round, tile)
     and consecutive slots. Routed rows are a prefix of the rows (the padding is last)."""
+    _check_sizes(1, tile)
     valid_n = places.dest_n >= 0
     tile_n = jnp.where(valid_n, places.slot_n // tile, -1)
 

@@ -241,9 +241,9 @@ def _fused_experts(
     torch._grouped_mm), 37.0 at mixtral (1.20x `pallas`, 2.11x tokamax, 0.89x torch), 24.3
     at the deepseek-v3 slice (1.44x `pallas`, 2.16x tokamax, 1.12x torch); with
     fused_residuals="gate_up" and token_chunk 2048, 10.1 / 29.6 / 20.4 ms (3.19x / 2.64x /
-    2.74x tokamax, 1.84x / 1.11x / 1.44x torch). `xla` is 9-10x slower. The backward runs
-    the unfused kernels (ops.swiglu_mlp_grads, 8 GEMM passes, 6 with "gate_up") on the rows
-    gathered once.
+    2.74x tokamax, 1.84x / 1.11x / 1.45x torch). `xla` is 6-8x slower forward and 8.9-10.3x
+    forward+backward. The backward runs the unfused kernels (ops.swiglu_mlp_grads, 8 GEMM
+    passes, 6 with "gate_up") on the rows gathered once.
     """
     from mok_jax.experts import grouped_swiglu_fused
 

@@ -24,7 +24,9 @@ Invariants:
      (block 0 waits), the number of pieces the protocol sends there: every row has landed.
   4. No device writes into a peer's buffer before that peer has entered the kernel: the
      custom call's device barrier at launch (Mosaic GPU's default, `skip_device_barrier` is
-     not set). Semaphores are zeroed at every launch (Pallas's GMEM scratch).
+     not set). The tile semaphores (`pl.get_global`: one set for the kernel) are a slice of
+     the kernel's GMEM scratch, which Pallas zeroes before each launch (a zero operand of the
+     custom call; the lowering test checks its size).
 """
 
 from __future__ import annotations

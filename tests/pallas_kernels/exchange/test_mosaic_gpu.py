@@ -87,6 +87,11 @@ def test_dispatch_lowers_for_cuda_inside_shard_map_on_8_devices():
     # barrier (invariant 4).
     assert "uses_xla_collective_metadata = true" in text
     assert "skip_device_barrier = false" in text
+    # The tile semaphores are one set for the kernel, zeroed before each launch: U counters,
+    # not one set per block (what kernel scratch semaphores would be).
+    num_tiles = xp.num_tiles(window, tile, num_local)
+    assert re.search(rf"dims = \[\] : \(tensor<i32>\) -> tensor<{num_tiles}xi32>", text)
+    assert f"tensor<{132 * num_tiles}xi32>" not in text
 
 
 def test_bad_tables_raise():
