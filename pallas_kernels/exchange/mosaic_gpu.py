@@ -9,7 +9,8 @@ CUDA inside shard_map on 8 devices (a CI test). Its first run on the H200 (a 1-d
 copies going to the device itself) hung (bench/results/2026-12-01_exchange_dispatch_h200/).
 Found afterwards, on the CPU: the tile semaphores were kernel scratch, which Pallas allocates
 per block, so block 0 counted only its own pieces; they are now one set for the kernel
-(`pl.get_global`). The copy path alone ran right under interpret mode. Not yet re-run on a GPU.
+(`pl.get_global`). The copy path (`copy_piece`) is checked under interpret mode in CI. Not
+yet re-run on a GPU.
 The protocol it carries out is tested on its own (tests/mok_jax/test_exchange_protocol.py).
 The design: rows move through shared memory one row-chunk at a time, and no GEMM runs in the
 kernel yet (the experts read the buffer afterwards); fusing the tile waits into the grouped
@@ -51,6 +52,23 @@ def _chunk_cols(d_model: int, itemsize: int) -> int:
     raise ValueError(f"d_model={d_model} has no column chunk of a multiple of 16 bytes")
 
 
+def copy_piece(x_ref, dst_ref, row, slot, size, stage_smem, loaded, *, chunk_cols: int) -> None:
+    """Rows [row, row + size) of x_ref to rows [slot, slot + size) of dst_ref (a peer's buffer
+    through `plgpu.remote_ref`, or this device's), one row-chunk at a time through stage_smem
+    [1, chunk_cols]; returns once the stores have completed (invariant 2)."""
+
+    @pl.loop(0, size)
+    def _row(i):
+        for c in range(x_ref.shape[1] // chunk_cols):
+            cols = pl.ds(c * chunk_cols, chunk_cols)
+            plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(row + i, 1), cols], stage_smem, loaded)
+            plgpu.barrier_wait(loaded)
+            plgpu.copy_smem_to_gmem(stage_smem, dst_ref.at[pl.ds(slot + i, 1), cols])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+
+
 def _dispatch_kernel(
     x_ref,
     row_ref,
@@ -82,21 +100,12 @@ def _dispatch_kernel(
     def _piece(p):
         @pl.when(piece_round_ref[p] == round_index)
         def _send():
-            row, slot, dest = row_ref[p], slot_ref[p], dest_ref[p]
+            dest = dest_ref[p]
             # One device: the exchange's copies go to itself (no peer to address).
             remote = buf_ref if local else plgpu.remote_ref(buf_ref, dest)
-
-            @pl.loop(0, size_ref[p])
-            def _row(i):
-                for c in range(x_ref.shape[1] // chunk_cols):
-                    cols = pl.ds(c * chunk_cols, chunk_cols)
-                    plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(row + i, 1), cols], stage_smem, loaded)
-                    plgpu.barrier_wait(loaded)
-                    plgpu.copy_smem_to_gmem(stage_smem, remote.at[pl.ds(slot + i, 1), cols])
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
             # 2. The rows have landed before the tile counts the piece.
-            plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+            copy_piece(x_ref, remote, row_ref[p], slot_ref[p], size_ref[p], stage_smem, loaded,
+                       chunk_cols=chunk_cols)  # fmt: skip
             sem = arrive_sems.at[tile_ref[p]]
             pl.semaphore_signal(sem) if local else pl.semaphore_signal(sem, device_id=dest)
 

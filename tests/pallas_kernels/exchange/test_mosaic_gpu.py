@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.sharding import PartitionSpec as P
 
 from mok_jax import exchange
@@ -144,6 +146,45 @@ def test_the_reference_puts_every_row_where_the_protocol_says():
     for r in range(rounds):
         got = fn(*placed(mesh, x_snd.reshape(-1, d_model), counts_se, r))
         chex.assert_trees_all_equal(np.asarray(got).reshape(num_devices, slots, -1), want[:, r])
+
+
+def test_the_piece_copies_place_every_row_in_interpret_mode():
+    """The kernel's copy path (`copy_piece`, steps 1-2 without the signal: Mosaic GPU's
+    interpret mode runs no semaphores) on one device, 4 blocks taking the pieces in turn as
+    the kernel does: every row lands in the slot the protocol gives it, in every round."""
+    num_local, num_rows, window, tile, d_model, blocks, chunk = 3, 200, 96, 8, 256, 4, 128
+    counts_se = random_counts(1, 1, num_local, num_rows)
+    t = exchange.traffic(jnp.asarray(counts_se), num_local)
+    x = jax.random.normal(jax.random.key(0), (num_rows, d_model), jnp.float32)
+    x = x.astype(jnp.bfloat16)
+    want, filled, rounds = planned_buffers(counts_se, np.asarray(x)[None], num_local, window, tile)
+    assert rounds >= 2
+    pcs = xp.pieces(xp.row_places(t, jnp.int32(0), num_rows, window, tile), tile)
+
+    def copies(x_ref, row_ref, slot_ref, size_ref, round_p_ref, count_ref, round_ref, buf_ref,
+               stage_smem, loaded):  # fmt: skip
+        @pl.loop(jax.lax.axis_index("blocks"), count_ref[0], step=blocks)
+        def _piece(p):
+            @pl.when(round_p_ref[p] == round_ref[0])
+            def _send():
+                mosaic_gpu.copy_piece(x_ref, buf_ref, row_ref[p], slot_ref[p], size_ref[p],
+                                      stage_smem, loaded, chunk_cols=chunk)  # fmt: skip
+
+    slots = xp.num_tiles(window, tile, num_local) * tile
+    run = plgpu.kernel(
+        copies,
+        out_type=jax.ShapeDtypeStruct((slots, d_model), x.dtype),
+        grid=(blocks,),
+        grid_names=("blocks",),
+        scratch_types=[plgpu.SMEM((1, chunk), x.dtype), plgpu.Barrier(num_arrivals=1)],
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=plgpu.InterpretGPUParams(),
+    )
+    for r in range(rounds):
+        got = run(x, pcs.row_p, pcs.slot_p, pcs.size_p, pcs.round_p, pcs.count.reshape(1),
+                  jnp.int32(r).reshape(1))  # fmt: skip
+        mask = filled[0, r]
+        np.testing.assert_array_equal(np.asarray(got)[mask], want[0, r][mask])
 
 
 # ---------------------------------------------------------------------------------------------
