@@ -75,9 +75,8 @@ def order_starts(t: Traffic) -> tuple[Array, Array]:
 def _round_runs(t: Traffic, dest: Array, round_index: Array, window: int, tile: int):
     """Expert g's run of round r at receiver d: (lo_g, hi_g) in expert-major positions and the
     run's first tile. dest and round_index broadcast: [...] -> [..., G] each."""
-    _, expert_start_dg = order_starts(t)
     total_dg = jnp.sum(_counts_sdg(t), axis=0, dtype=jnp.int32)
-    start_g = expert_start_dg[dest]
+    start_g = exclusive_cumsum(total_dg, axis=1)[dest]  # order_starts' expert starts
     lo_w = (jnp.asarray(round_index, jnp.int32) * window)[..., None]
     lo_g = jnp.clip(start_g, lo_w, lo_w + window)
     hi_g = jnp.clip(start_g + total_dg[dest], lo_w, lo_w + window)

@@ -36,21 +36,16 @@ def random_counts(seed: int, num_devices: int, num_local: int, num_rows: int) ->
     ).astype(np.int32)
 
 
-def _tables(counts_se, me, num_rows, window, tile, num_local, round_index):
-    t = exchange.traffic(counts_se, num_local)
-    places = xp.row_places(t, me, num_rows, window, tile)
-    return t, places, xp.pieces(places, tile), xp.tile_arrivals(t, me, round_index, window, tile)
-
-
 def dispatch_fn(num_local, num_rows, window, tile, *, kernel: bool, num_blocks=None):
     """(x [EP * N, D], counts [EP, E], round []) -> buffers [EP * S, D], inside shard_map."""
     slots = xp.num_tiles(window, tile, num_local) * tile
 
     def body(x, counts_se, round_index):
         me = jax.lax.axis_index(AXIS)
-        _, places, pcs, arrivals = _tables(
-            counts_se, me, num_rows, window, tile, num_local, round_index
-        )
+        t = exchange.traffic(counts_se, num_local)
+        places = xp.row_places(t, me, num_rows, window, tile)
+        pcs = xp.pieces(places, tile)
+        arrivals = xp.tile_arrivals(t, me, round_index, window, tile)
         if kernel:
             return mosaic_gpu.dispatch(
                 x, pcs.row_p, pcs.slot_p, pcs.size_p, pcs.dest_p, pcs.round_p, pcs.tile_p,
