@@ -38,12 +38,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 from jax import Array
 
 from mok_jax.exchange import Traffic, exclusive_cumsum
+
+if TYPE_CHECKING:
+    from pallas_kernels.exchange.moves import Moves
 
 
 def num_tiles(window: int, tile: int, num_local: int) -> int:
@@ -232,3 +236,74 @@ def pieces(places: RowPlaces, tile: int) -> Pieces:
         tile_p=at_start(tile_n),
         count=count,
     )
+
+
+def buffer_layout(
+    t: Traffic, dest: Array, round_index: Array, window: int, tile: int
+) -> tuple[Array, Array]:
+    """Receiver `dest`'s buffer in round r as grouped rows: (group_sizes_g int32 [G], each
+    local expert's run padded to whole tiles, in expert order from slot 0; filled_s bool [S],
+    the slots a row lands in). S = num_tiles * tile; slots past the groups are empty."""
+    lo_g, hi_g, tile_start_g = _round_runs(t, dest, round_index, window, tile)
+    length_g = hi_g - lo_g
+    group_sizes_g = (length_g + tile - 1) // tile * tile
+    slot_s = jnp.arange(num_tiles(window, tile, t.num_local) * tile, dtype=jnp.int32)
+    ends_g = jnp.cumsum(group_sizes_g, dtype=jnp.int32)
+    g_s = jnp.searchsorted(ends_g, slot_s, side="right", method="scan_unrolled")
+    g_s = jnp.minimum(g_s, t.num_local - 1)
+    filled_s = slot_s - tile_start_g[g_s] * tile < length_g[g_s]
+    filled_s &= slot_s >= tile_start_g[g_s] * tile
+    return group_sizes_g.astype(jnp.int32), filled_s
+
+
+def exchange_moves(
+    t: Traffic, me: Array, round_index: Array, num_rows: int, window: int, tile: int
+) -> tuple[Moves, Moves]:
+    """Device `me`'s copies in round r: (dispatch, back).
+
+    dispatch: its pieces (sorted rows -> the receivers' buffer slots), counted on the
+    receiver's tile (arrivals: `tile_arrivals`, the pieces each of its own tiles gets).
+    back: the return, which is also the dispatch's gradient: every piece it receives in round
+    r, from its buffer slots back to the source's rows, counted on the source's one counter
+    (arrivals: its own pieces of the round, each of which comes back once). The return's
+    tables are every source's pieces to `me` (from the counts alone, as everything here).
+    """
+    # Imported here: the kernels' package loads only when the in-kernel exchange runs.
+    from pallas_kernels.exchange.moves import Moves
+
+    num_devices = t.counts_se.shape[0]
+    mine = pieces(row_places(t, me, num_rows, window, tile), tile)
+    real_p = jnp.arange(num_rows) < mine.count
+    dispatch = Moves(
+        src_p=mine.row_p,
+        dst_p=mine.slot_p,
+        size_p=mine.size_p,
+        peer_p=mine.dest_p,
+        round_p=mine.round_p,
+        counter_p=mine.tile_p,
+        count=mine.count,
+        arrivals_c=tile_arrivals(t, me, round_index, window, tile),
+    )
+    sources = jnp.arange(num_devices, dtype=jnp.int32)
+    every = jax.vmap(lambda s: pieces(row_places(t, s, num_rows, window, tile), tile))(sources)
+    real_sp = jnp.arange(num_rows) < every.count[:, None]
+    to_me_sp = real_sp & (every.dest_p == me) & (every.round_p == round_index)
+    # This round's pieces to me first, in (source, row) order.
+    order = jnp.argsort(~to_me_sp.reshape(-1), stable=True).astype(jnp.int32)
+    count = jnp.sum(to_me_sp, dtype=jnp.int32)
+    real_c = jnp.arange(order.shape[0]) < count
+
+    def take(a_sp):
+        return jnp.where(real_c, a_sp.reshape(-1)[order], 0)
+
+    back = Moves(
+        src_p=take(every.slot_p),
+        dst_p=take(every.row_p),
+        size_p=take(every.size_p),
+        peer_p=take(jnp.broadcast_to(sources[:, None], real_sp.shape)),
+        round_p=jnp.where(real_c, round_index, -1).astype(jnp.int32),
+        counter_p=jnp.zeros_like(order),
+        count=count,
+        arrivals_c=jnp.sum(real_p & (mine.round_p == round_index), dtype=jnp.int32)[None],
+    )
+    return dispatch, back

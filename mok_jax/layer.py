@@ -107,8 +107,17 @@ def _dispatch(x_td: Array, plan: Plan, cfg: MoEConfig) -> Array:
         return tokens_to_rows(x_td.astype(cfg.dtype), plan.order_n, plan.inverse_n, cfg.top_k)
 
 
-def _experts(x_nd: Array, params: MoEParams, plan: Plan, cfg: MoEConfig, axes: _Axes):
-    """Dispatch to the experts' devices, the expert GEMMs and the return, in rounds."""
+def _experts(
+    x_nd: Array,
+    params: MoEParams,
+    plan: Plan,
+    cfg: MoEConfig,
+    axes: _Axes,
+    scale_n: Array | None = None,
+):
+    """Dispatch to the experts' devices, the expert GEMMs and the return, in rounds (`fused`:
+    with the rows' routing weights scale_n, inside kernels)."""
+    kernels = {"pallas": "pallas", "fused": "fused"}
     spec = RoutedSpec(
         axis=axes.expert,
         rounds_axes=axes.tokens,
@@ -118,10 +127,11 @@ def _experts(x_nd: Array, params: MoEParams, plan: Plan, cfg: MoEConfig, axes: _
         buffer_rows=_buffer_rows(x_nd.shape[0], cfg, axes),
         row_tile=cfg.row_tile,
         dtype=cfg.dtype,
-        kernel="pallas" if cfg.implementation == "pallas" else "xla",
+        kernel=kernels.get(cfg.implementation, "xla"),
+        recompute=cfg.fused_recompute,
     )
     weights = (params.w_gate, params.w_up, params.w_down)
-    return routed_experts(x_nd, weights, plan.group_sizes_e, spec)
+    return routed_experts(x_nd, weights, plan.group_sizes_e, spec, scale_n)
 
 
 def _buffer_rows(num_rows: int, cfg: MoEConfig, axes: _Axes) -> int:
@@ -130,7 +140,7 @@ def _buffer_rows(num_rows: int, cfg: MoEConfig, axes: _Axes) -> int:
     ep = axes.expert_devices
     tokens = num_rows // cfg.top_k
     most = tokens * min(cfg.top_k, cfg.num_experts // ep)  # one source's rows for one device
-    if cfg.exchange == "ring" and axes.expert is not None:
+    if cfg.exchange == "ring" and axes.expert is not None and cfg.implementation != "fused":
         return max(1, min(math.ceil(cfg.buffer_factor * num_rows / ep), most))
     return max(1, min(math.ceil(cfg.buffer_factor * num_rows), most * ep))
 
@@ -201,14 +211,17 @@ def _aux(
 
 
 def _local_moe(x_td: Array, params: MoEParams, cfg: MoEConfig, axes: _Axes):
-    """The stages on one device's tokens x [T, D] and experts (`fused`: one device only,
-    dispatch and the routing weights inside the experts stage, see `_fused_experts`)."""
+    """The stages on one device's tokens x [T, D] and experts (`fused`: dispatch and the
+    routing weights inside the experts stage, see `_fused_experts`; under a mesh the exchange
+    inside kernels too, see `_fused_exchange`)."""
     routed = _route(x_td, params, cfg)
     routing = routed[0]
     plan, tokens_per_expert = _plan(routing, cfg, axes)
     fused = cfg.implementation == "fused"
-    if fused:
+    if fused and axes.expert is None:
         y_nd, rounds = _fused_experts(x_td, routing, plan, params, cfg), jnp.ones((), jnp.int32)
+    elif fused:
+        y_nd, rounds = _fused_exchange(x_td, routing, plan, params, cfg, axes)
     else:
         x_nd = _dispatch(x_td, plan, cfg)
         y_nd, rounds = _experts(x_nd, params, plan, cfg, axes)
@@ -248,11 +261,7 @@ def _fused_experts(
     from mok_jax.experts import grouped_swiglu_fused
 
     with jax.named_scope("experts"):
-        weights_n = routing.weights_tk.reshape(-1).astype(jnp.float32)
-        if plan.keep_n is not None:  # a dropped row's weight is 0: it adds nothing, gets 0
-            weights_n = jnp.where(plan.keep_n, weights_n, 0.0)
-        # Pair order -> expert order, a permutation: its gradient is the inverse gather.
-        scale_n = take_rows(weights_n[:, None], plan.order_n, plan.inverse_n)[:, 0]
+        scale_n = _row_weights(routing, plan)
         return grouped_swiglu_fused(
             x_td,
             params.w_gate,
@@ -269,6 +278,38 @@ def _fused_experts(
             recompute=cfg.fused_recompute,
             interpret=jax.default_backend() == "cpu",
         )
+
+
+def _row_weights(routing: Routing, plan: Plan) -> Array:
+    """f32 [N]: each expert-sorted row's routing weight (0 for a dropped row: it adds nothing
+    and gets 0)."""
+    weights_n = routing.weights_tk.reshape(-1).astype(jnp.float32)
+    if plan.keep_n is not None:
+        weights_n = jnp.where(plan.keep_n, weights_n, 0.0)
+    # Pair order -> expert order, a permutation: its gradient is the inverse gather.
+    return take_rows(weights_n[:, None], plan.order_n, plan.inverse_n)[:, 0]
+
+
+def _fused_exchange(
+    x_td: Array, routing: Routing, plan: Plan, params: MoEParams, cfg: MoEConfig, axes: _Axes
+) -> tuple[Array, Array]:
+    """The `fused` implementation under a mesh: tokens [T, D] -> (weighted rows f32 [N, D] in
+    expert order, rounds). The expert-sorted rows and their routing weights go to the experts'
+    devices, round by round, inside kernels (remote copies and semaphores: routed.py's
+    `_fused_round`); the grouped-GEMM kernels run on the received buffer with each row's
+    weight in the down projection's epilogue, and the results come back the same way. Each
+    row meets the kernels of `_fused_experts`, so y and dx are its bits on any mesh.
+
+    Status (2026-12-01): correct on the CPU (the exchange's all_gather spec, the GEMM kernels
+    in interpret mode) against the single-device result; the exchange kernel is correct on
+    one H200 (a 1-device mesh). The exchange and the GEMMs do not overlap yet (each round is
+    dispatch, GEMMs, return), and the backward recomputes a round's forward (fused_residuals
+    does not apply under a mesh).
+    """
+    with jax.named_scope("dispatch"):
+        x_nd = _dispatch(x_td, plan, cfg)
+        scale_n = _row_weights(routing, plan)
+    return _experts(x_nd, params, plan, cfg, axes, scale_n)
 
 
 def _aux_specs() -> MoEAux:
@@ -308,12 +349,12 @@ def _reshape(a: Array, shape: tuple[int, ...], mesh, rules: ShardingRules | None
 def moe_sharded(
     x_td: Array, params: MoEParams, cfg: MoEConfig, mesh, rules: ShardingRules
 ) -> tuple[Array, MoEAux]:
-    """The `xla` or `pallas` implementation inside `jax.shard_map` over `mesh` (already
-    checked)."""
-    if cfg.implementation in ("reference", "fused"):
+    """The `xla`, `pallas` or `fused` implementation inside `jax.shard_map` over `mesh`
+    (already checked)."""
+    if cfg.implementation == "reference":
         raise ValueError(
-            f"implementation={cfg.implementation!r} runs on one device (for now, for 'fused'); "
-            "under a mesh use 'xla' or 'pallas'"
+            "implementation='reference' runs on one device; under a mesh use 'xla', 'pallas' "
+            "or 'fused'"
         )
     axes = _Axes(
         expert=rules.experts,
@@ -407,7 +448,7 @@ def moe(
     Raises:
       ValueError: x is not floating or its last dimension is not D, params do not fit cfg, or
         the mesh cannot run it (no expert axis, E or T not divisible by the device counts,
-        implementation 'reference' or 'fused').
+        implementation 'reference').
 
     Example:
       >>> cfg = mok_jax.presets["tiny"]

@@ -9,6 +9,13 @@ is each row's expert output, f32, in the same order. Per round:
   experts   tiled SwiGLU over the received rows               (`tiles.tiled_experts`)
   return    results travel back to the rows' devices
 
+With kernel "fused" the rows move inside kernels instead (issue 7): each round's dispatch and
+return are Mosaic GPU kernels of remote copies and semaphores (`pallas_kernels.exchange`; on the
+CPU their all_gather spec), into the tile-aligned expert-major buffer of
+`mok_jax.exchange_protocol`, whose groups the grouped-GEMM kernels read as they are; each row's
+routing weight travels with it and is applied in the down projection's epilogue, as on one
+device, so y and dx are the bits of the single-device `fused` implementation.
+
 The round count depends on the routing, so the loop is a `while_loop`, which reverse-mode
 autodiff cannot go through. `routed_experts` is therefore a `custom_vjp`: the backward runs the
 same rounds, recomputing each round's forward under `jax.vjp` (memory stays one round's worth)
@@ -26,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array, lax
 
-from mok_jax import exchange
+from mok_jax import exchange, exchange_protocol
 from mok_jax.config import Exchange
 from mok_jax.permute import take_rows
 from mok_jax.tiles import tile_layout, tiled_experts, vary, varying_axes
@@ -45,7 +52,9 @@ class RoutedSpec:
       buffer_rows: the window (rows a device receives per round) or the ring's chunk.
       row_tile: rows per expert tile.
       dtype: the compute dtype.
-      kernel: "xla" (batched dots) or "pallas" (the Mosaic GPU grouped GEMMs).
+      kernel: "xla" (batched dots), "pallas" (the Mosaic GPU grouped GEMMs) or "fused" (the
+        exchange inside kernels, `exchange` ignored; the rows come with their routing weights).
+      recompute: with "fused", how the backward recomputes gate and up (`ops.Recompute`).
     """
 
     axis: str | None
@@ -56,7 +65,8 @@ class RoutedSpec:
     buffer_rows: int
     row_tile: int
     dtype: np.dtype
-    kernel: Literal["xla", "pallas"] = "xla"
+    kernel: Literal["xla", "pallas", "fused"] = "xla"
+    recompute: str = "gmm"
 
 
 def _me(spec: RoutedSpec) -> Array:
@@ -129,6 +139,43 @@ def _ring_round(r, x_nd, weights, t: exchange.Traffic, spec: RoutedSpec) -> Arra
     return y_nd
 
 
+def _fused_round(r, rows, weights, t: exchange.Traffic, spec: RoutedSpec) -> Array:
+    """Round r with the exchange inside kernels: rows (x [N, D], routing weights f32 [N]) ->
+    weighted results f32 [N, D], zero off the rows of round r."""
+    from pallas_kernels.exchange import ops as exchange_ops
+    from pallas_kernels.grouped_matmul import ops as grouped_ops
+
+    x_nd, scale_n = rows
+    me, window, tile = _me(spec), spec.buffer_rows, spec.row_tile
+    num_rows = x_nd.shape[0]
+    slots = exchange_protocol.num_tiles(window, tile, spec.num_local) * tile
+    dispatch, back = exchange_protocol.exchange_moves(t, me, r, num_rows, window, tile)
+    group_sizes_g, filled_s = exchange_protocol.buffer_layout(t, me, r, window, tile)
+    # The weights as a 16-byte column (a copy moves whole 16-byte chunks); a concatenate, not
+    # a broadcast, so that the weights' gradient is the first column's, bit for bit.
+    scale_n4 = jnp.concatenate([scale_n[:, None], jnp.zeros((num_rows, 3), jnp.float32)], 1)
+    with jax.named_scope("dispatch"):
+        x_sd = exchange_ops.send_rows(x_nd, dispatch, back, r, slots, spec.axis)
+        scale_s4 = exchange_ops.send_rows(scale_n4, dispatch, back, r, slots, spec.axis)
+    # Slots no row fills (the tiles' padding) are unspecified after the kernel: zero rows,
+    # which add nothing to the weights' gradients.
+    x_sd = jnp.where(filled_s[:, None], x_sd, jnp.zeros((), x_sd.dtype))
+    scale_s = jnp.where(filled_s, scale_s4[:, 0], 0.0)
+    with jax.named_scope("experts"):
+        y_sd = grouped_ops.swiglu_mlp(
+            x_sd,
+            *(w.astype(spec.dtype) for w in weights),
+            group_sizes_g,
+            row_scale_m=scale_s,
+            recompute=spec.recompute,
+            interpret=jax.default_backend() == "cpu",
+        )
+    with jax.named_scope("return"):
+        y_nd = exchange_ops.send_rows(y_sd, back, dispatch, r, num_rows, spec.axis)
+    places = exchange_protocol.row_places(t, me, num_rows, window, tile)
+    return jnp.where((places.round_n == r)[:, None], y_nd, 0.0)
+
+
 def _dest_of_rows(t: exchange.Traffic, me: Array, num_rows: int) -> Array:
     ends_d = t.send_start_sd[me] + t.send_sd[me]
     row_n = jnp.arange(num_rows, dtype=jnp.int32)
@@ -138,6 +185,9 @@ def _dest_of_rows(t: exchange.Traffic, me: Array, num_rows: int) -> Array:
 def _plan_rounds(t: exchange.Traffic, num_rows: int, spec: RoutedSpec):
     """(round function, rounds, round of each row) for this exchange."""
     me = _me(spec)
+    if spec.kernel == "fused":
+        places = exchange_protocol.row_places(t, me, num_rows, spec.buffer_rows, spec.row_tile)
+        return _fused_round, exchange.window_rounds(t, spec.buffer_rows), places.round_n
     dest_n = _dest_of_rows(t, me, num_rows)
     if spec.exchange == "ring" and spec.axis is not None:
         rank_n = jnp.arange(num_rows, dtype=jnp.int32) - t.send_start_sd[me, dest_n]
@@ -155,57 +205,82 @@ def _counts(group_sizes_e: Array, spec: RoutedSpec) -> exchange.Traffic:
 
 
 def routed_experts(
-    x_nd: Array, weights: tuple[Array, Array, Array], group_sizes_e: Array, spec: RoutedSpec
+    x_nd: Array,
+    weights: tuple[Array, Array, Array],
+    group_sizes_e: Array,
+    spec: RoutedSpec,
+    scale_n: Array | None = None,
 ) -> tuple[Array, Array]:
     """This device's sorted rows x [N, D] through their experts -> (f32 [N, D], rounds int32 []).
 
     weights: (w_gate [G, D, F], w_up [G, D, F], w_down [G, F, D]), this device's experts.
     group_sizes_e: int32 [E], this device's rows per (global) expert.
+    scale_n: f32 [N], each row's routing weight (kernel "fused" only, which needs it): the
+      results come back multiplied by it, and it gets a gradient.
     """
+    if (scale_n is not None) != (spec.kernel == "fused"):
+        raise ValueError(f"scale_n must be given with kernel 'fused' only (kernel={spec.kernel!r})")
     t = _counts(group_sizes_e, spec)
     _, rounds, _ = _plan_rounds(t, x_nd.shape[0], spec)
     rounds = _agreed(rounds, spec)
     # The weights meet rows of every device: let them vary where the rows do, so their
     # gradients come back summed over the data axis.
     weights = tuple(vary(w, varying_axes(x_nd)) for w in weights)
-    return _rounds(x_nd.astype(spec.dtype), weights, t, rounds, spec), rounds
+    rows = x_nd.astype(spec.dtype)
+    if scale_n is not None:
+        rows = (rows, scale_n.astype(jnp.float32))
+    return _rounds(rows, weights, t, rounds, spec), rounds
+
+
+def _pick(mask_n: Array, new, old):
+    """Rows of `new` where mask_n, else of `old` (arrays [N, ...] or pytrees of them)."""
+
+    def pick(a, b):
+        return jnp.where(mask_n.reshape(-1, *(1,) * (a.ndim - 1)), a, b)
+
+    return jax.tree.map(pick, new, old)
+
+
+def _num_rows(rows) -> int:
+    return jax.tree.leaves(rows)[0].shape[0]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _rounds(x_nd, weights, t, rounds, spec: RoutedSpec):
-    round_fn, _, round_n = _plan_rounds(t, x_nd.shape[0], spec)
+def _rounds(rows, weights, t, rounds, spec: RoutedSpec):
+    round_fn, _, round_n = _plan_rounds(t, _num_rows(rows), spec)
 
     def body(r, y_nd):
-        y_r = round_fn(r, x_nd, weights, t, spec)
-        return jnp.where((round_n == r)[:, None], y_r, y_nd)
+        return _pick(round_n == r, round_fn(r, rows, weights, t, spec), y_nd)
 
-    y_nd = round_fn(jnp.zeros((), jnp.int32), x_nd, weights, t, spec)
+    y_nd = round_fn(jnp.zeros((), jnp.int32), rows, weights, t, spec)
     return lax.fori_loop(1, rounds, body, y_nd)
 
 
-def _rounds_fwd(x_nd, weights, t, rounds, spec):
-    return _rounds(x_nd, weights, t, rounds, spec), (x_nd, weights, t, rounds)
+def _rounds_fwd(rows, weights, t, rounds, spec):
+    return _rounds(rows, weights, t, rounds, spec), (rows, weights, t, rounds)
 
 
 def _rounds_bwd(spec, residuals, g_nd):
-    x_nd, weights, t, rounds = residuals
-    round_fn, _, round_n = _plan_rounds(t, x_nd.shape[0], spec)
+    rows, weights, t, rounds = residuals
+    round_fn, _, round_n = _plan_rounds(t, _num_rows(rows), spec)
 
     def round_vjp(r):
-        _, vjp = jax.vjp(lambda x, w: round_fn(r, x, w, t, spec), x_nd, weights)
-        dx_nd, dweights = vjp(g_nd)
-        return dx_nd, tuple(dw.astype(jnp.float32) for dw in dweights)
+        _, vjp = jax.vjp(lambda x, w: round_fn(r, x, w, t, spec), rows, weights)
+        d_rows, dweights = vjp(g_nd)
+        # Rows of other rounds: zeros, or unspecified where the exchange's kernels left them.
+        d_rows = _pick(round_n == r, d_rows, jax.tree.map(jnp.zeros_like, d_rows))
+        return d_rows, tuple(dw.astype(jnp.float32) for dw in dweights)
 
     def body(r, carry):
-        dx_nd, dweights = carry
-        dx_r, dweights_r = round_vjp(r)
-        dx_nd = jnp.where((round_n == r)[:, None], dx_r, dx_nd)
-        return dx_nd, tuple(a + b for a, b in zip(dweights, dweights_r, strict=True))
+        d_rows, dweights = carry
+        d_rows_r, dweights_r = round_vjp(r)
+        d_rows = _pick(round_n == r, d_rows_r, d_rows)
+        return d_rows, tuple(a + b for a, b in zip(dweights, dweights_r, strict=True))
 
     carry = lax.fori_loop(1, rounds, body, round_vjp(jnp.zeros((), jnp.int32)))
-    dx_nd, dweights = carry
+    d_rows, dweights = carry
     dweights = tuple(dw.astype(w.dtype) for dw, w in zip(dweights, weights, strict=True))
-    return dx_nd, dweights, None, None
+    return d_rows, dweights, None, None
 
 
 _rounds.defvjp(_rounds_fwd, _rounds_bwd)

@@ -170,12 +170,12 @@ class Trainer:
             raise ValueError(f"seq_len={cfg.seq_len} > max_seq_len={self.model_cfg.max_seq_len}")
         if mesh is None:
             return
-        # The layer itself rejects an implementation it cannot run under a mesh when traced
-        # (the oracle never can, `fused` not yet): say it before compiling anything.
-        if cfg.implementation in ("reference", "fused"):
+        # The layer itself rejects the oracle under a mesh when traced: say it before
+        # compiling anything.
+        if cfg.implementation == "reference":
             raise ValueError(
-                f"implementation={cfg.implementation!r} runs on one device without a mesh "
-                "(--devices 1); under a mesh use 'xla' or 'pallas'"
+                "implementation='reference' runs on one device without a mesh (--devices 1); "
+                "under a mesh use 'xla', 'pallas' or 'fused'"
             )
         ep, devices = mesh.shape["expert"], mesh.size
         experts = self.model_cfg.moe.num_experts

@@ -1,31 +1,28 @@
-"""The exchange's dispatch as one Mosaic GPU kernel (issue 7, first piece): inside
-`jax.shard_map`, each device copies its pieces of a round straight into the receivers' buffers
-(remote refs) and signals each piece's tile there; each device returns once every tile of its
-own buffer has counted the pieces the protocol says it gets. No collective launch, no host
-sync, no placement by arrival: slots and counts come from mok_jax/exchange_protocol.py.
+"""One direction of the exchange as one Mosaic GPU kernel (issue 7): inside `jax.shard_map`,
+each device copies its rows of a round straight into the peers' outputs (remote refs) and
+signals a counter there once a copy; each device returns once each of its own counters has
+counted the copies the protocol says it gets. No collective launch, no host sync, no placement
+by arrival: the tables (`Moves`) come from mok_jax/exchange_protocol.py. The forward's dispatch
+(rows -> the receivers' tile-aligned buffers, a counter a tile) and return (results -> the rows'
+own positions, one counter) are both this kernel, with the two directions' tables.
 
-Status (2026-12-01): NOT YET SHOWN TO WORK, and called by nothing in the library. It lowers for
-CUDA inside shard_map on 8 devices (a CI test). Its first run on the H200 (a 1-device mesh, the
-copies going to the device itself) hung (bench/results/2026-12-01_exchange_dispatch_h200/).
-Found afterwards, on the CPU: the tile semaphores were kernel scratch, which Pallas allocates
-per block, so block 0 counted only its own pieces; they are now one set for the kernel
-(`pl.get_global`). The copy path (`copy_piece`) is checked under interpret mode in CI. Not
-yet re-run on a GPU.
-The protocol it carries out is tested on its own (tests/mok_jax/test_exchange_protocol.py).
-The design: rows move through shared memory one row-chunk at a time, and no GEMM runs in the
-kernel yet (the experts read the buffer afterwards); fusing the tile waits into the grouped
-GEMM's producer comes after it works.
+Status (2026-12-01): correct on the H200 with a 1-device mesh (the copies go to the device
+itself; bench/results/2026-12-01_exchange_dispatch_h200_s11/), and it lowers for CUDA inside
+shard_map on 8 devices (CI). Not yet run across GPUs (the multi-GPU issue). Slow: rows move
+through shared memory one 256-column chunk at a time, a load and a store in flight a block
+(39 GB/s for a 12 MB round on the H200). No GEMM runs in the kernel yet: the experts read the
+buffer after it returns; fusing the tile waits into the grouped GEMM's producer comes next.
 
 Invariants:
-  1. Each slot of a receiver's buffer is written by one piece, once a round (the protocol's
-     slots are distinct), so no two stores race.
-  2. A piece's signal follows its rows: the kernel waits for the piece's stores to complete
+  1. Each output row is written by one copy, once a round (the protocol's destinations are
+     distinct), so no two stores race.
+  2. A copy's signal follows its rows: the kernel waits for the copy's stores to complete
      before the release-ordered signal.
-  3. A device's kernel returns only after each of its tiles has counted `arrivals[u]` signals
-     (block 0 waits), the number of pieces the protocol sends there: every row has landed.
+  3. A device's kernel returns only after each of its counters c has counted `arrivals_c[c]`
+     signals (block 0 waits), the copies the protocol sends there: every row has landed.
   4. No device writes into a peer's buffer before that peer has entered the kernel: the
      custom call's device barrier at launch (Mosaic GPU's default, `skip_device_barrier` is
-     not set). The tile semaphores (`pl.get_global`: one set for the kernel) are a slice of
+     not set). The counters (`pl.get_global`: one set for the kernel) are a slice of
      the kernel's GMEM scratch, which Pallas zeroes before each launch (a zero operand of the
      custom call; the lowering test checks its size).
 """
@@ -39,6 +36,9 @@ import jax.numpy as jnp
 from jax import Array, lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.exchange.moves import Moves
+from pallas_kernels.grouped_matmul import tuning
 
 # Columns a row-chunk copy moves (a TMA box is at most 256 elements a dimension).
 MAX_CHUNK_COLS = 256
@@ -69,114 +69,109 @@ def copy_piece(x_ref, dst_ref, row, slot, size, stage_smem, loaded, *, chunk_col
     plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 
 
-def _dispatch_kernel(
-    x_ref,
-    row_ref,
-    slot_ref,
-    size_ref,
-    dest_ref,
-    piece_round_ref,
-    tile_ref,
+def _send_rows_kernel(
+    src_ref,
+    src_p_ref,
+    dst_p_ref,
+    size_p_ref,
+    peer_p_ref,
+    round_p_ref,
+    counter_p_ref,
     count_ref,
     arrivals_ref,
     round_ref,
-    buf_ref,
+    out_ref,
     stage_smem,
     loaded,
     *,
     num_blocks: int,
     chunk_cols: int,
-    num_tiles: int,
+    num_counters: int,
+    axis_name: str,
     local: bool,
 ):
     block = lax.axis_index("blocks")
     round_index = round_ref[0]
-    # One semaphore a tile for the whole kernel (and, through the peers' copies, for every
+    # One semaphore a counter for the whole kernel (and, through the peers' copies, for every
     # device): a scratch semaphore would be one per block, so block 0 would count only its own.
-    arrive_sems = pl.get_global(plgpu.SemaphoreType.REGULAR((num_tiles,)))
+    counters = pl.get_global(plgpu.SemaphoreType.REGULAR((num_counters,)))
 
-    # 1. This device's pieces of the round, piece p by block p % num_blocks.
+    # 1. This device's copies of the round, copy p by block p % num_blocks.
     @pl.loop(block, count_ref[0], step=num_blocks)
-    def _piece(p):
-        @pl.when(piece_round_ref[p] == round_index)
+    def _copy(p):
+        @pl.when(round_p_ref[p] == round_index)
         def _send():
-            dest = dest_ref[p]
+            # The peer along the exchange's axis; on the mesh's other axes, this device's own
+            # coordinates.
+            peer = {axis_name: peer_p_ref[p]}
             # One device: the exchange's copies go to itself (no peer to address).
-            remote = buf_ref if local else plgpu.remote_ref(buf_ref, dest)
-            # 2. The rows have landed before the tile counts the piece.
-            copy_piece(x_ref, remote, row_ref[p], slot_ref[p], size_ref[p], stage_smem, loaded,
-                       chunk_cols=chunk_cols)  # fmt: skip
-            sem = arrive_sems.at[tile_ref[p]]
-            pl.semaphore_signal(sem) if local else pl.semaphore_signal(sem, device_id=dest)
+            dst_ref = out_ref if local else plgpu.remote_ref(out_ref, peer)
+            # 2. The rows have landed before the counter counts the copy.
+            copy_piece(src_ref, dst_ref, src_p_ref[p], dst_p_ref[p], size_p_ref[p], stage_smem,
+                       loaded, chunk_cols=chunk_cols)  # fmt: skip
+            sem = counters.at[counter_p_ref[p]]
+            pl.semaphore_signal(sem) if local else pl.semaphore_signal(sem, device_id=peer)
 
-    # 3. Block 0 returns once every tile of this device has its pieces.
+    # 3. Block 0 returns once every counter of this device has its copies.
     @pl.when(block == 0)
     def _wait():
-        @pl.loop(0, num_tiles)
-        def _tile(u):
-            pl.semaphore_wait(arrive_sems.at[u], arrivals_ref[u])
+        @pl.loop(0, num_counters)
+        def _counter(c):
+            pl.semaphore_wait(counters.at[c], arrivals_ref[c])
 
 
-def dispatch(
-    x_nd: Array,
-    row_p: Array,
-    slot_p: Array,
-    size_p: Array,
-    dest_p: Array,
-    round_p: Array,
-    tile_p: Array,
-    count: Array,
-    arrivals_u: Array,
+def send_rows(
+    src_ad: Array,
+    moves: Moves,
     round_index: Array,
     *,
-    num_slots: int,
-    tile: int,
+    out_rows: int,
     axis_name: str,
     num_blocks: int | None = None,
 ) -> Array:
-    """This device's receive buffer [S, D] of round `round_index` (call inside `jax.shard_map`
-    over the expert axis, one axis; the buffer's slots that no piece fills are unspecified).
+    """This device's output [out_rows, D] of round `round_index`: the rows its peers' `moves`
+    (and its own) copy here. Call inside `jax.shard_map` over the exchange's mesh axis; rows
+    no copy fills are unspecified.
 
-    x_nd [N, D] (2-byte or 4-byte floats) are this device's rows; the pieces (int32 [P] each,
-    the first `count` [] real, as `mok_jax.exchange_protocol.pieces` gives them): first row,
-    first slot, size, receiver (index along the mesh axis), round and tile; arrivals_u
-    (int32 [U], U = S / tile) the pieces this device's tiles get in this round
-    (`exchange_protocol.tile_arrivals`). axis_name: the mesh axis of the receivers (of size 1,
-    the copies are local). num_blocks: the kernel's blocks (default: the device's core
-    count).
+    src_ad [A, D] (2-byte or 4-byte floats; a row a multiple of 16 bytes) is this device's
+    array; moves its copies (`Moves`);
+    round_index int32 []. axis_name: the mesh axis of the peers (of size 1, the copies are
+    local). num_blocks: the kernel's blocks (default: one a streaming multiprocessor).
     """
-    _, d_model = x_nd.shape
-    if num_slots % tile:
-        raise ValueError(f"num_slots={num_slots} must be a multiple of tile={tile}")
-    num_tiles = num_slots // tile
-    if arrivals_u.shape != (num_tiles,):
-        raise ValueError(f"arrivals_u has shape {arrivals_u.shape}; expected ({num_tiles},)")
-    tables = (row_p, slot_p, size_p, dest_p, round_p, tile_p)
-    if any(a.shape != row_p.shape or a.dtype != jnp.int32 for a in tables):
-        raise ValueError("the piece tables must be int32 of one shape [P]")
+    moves.check()
+    _, d_model = src_ad.shape
     if num_blocks is None:
-        num_blocks = jax.devices()[0].core_count
-    chunk_cols = _chunk_cols(d_model, jnp.dtype(x_nd.dtype).itemsize)
+        num_blocks = tuning.persistent_grid_size()
+    chunk_cols = _chunk_cols(d_model, jnp.dtype(src_ad.dtype).itemsize)
     kernel = functools.partial(
-        _dispatch_kernel,
+        _send_rows_kernel,
         num_blocks=num_blocks,
         chunk_cols=chunk_cols,
-        num_tiles=num_tiles,
+        num_counters=moves.arrivals_c.shape[0],
+        axis_name=axis_name,
         local=lax.axis_size(axis_name) == 1,
     )
-    scalar = lambda a: jnp.asarray(a, jnp.int32).reshape(1)  # noqa: E731
-    # Inside shard_map the buffer varies over the mesh axes the rows do.
-    out_type = jax.ShapeDtypeStruct(
-        (num_slots, d_model), x_nd.dtype, manual_axis_type=jax.typeof(x_nd).manual_axis_type
-    )
-    return plgpu.kernel(
+    out_type = jax.ShapeDtypeStruct((out_rows, d_model), src_ad.dtype)
+    tables = (moves.src_p, moves.dst_p, moves.size_p, moves.peer_p, moves.round_p,
+              moves.counter_p)  # fmt: skip
+    out = plgpu.kernel(
         kernel,
         out_type=out_type,
         grid=(num_blocks,),
         grid_names=("blocks",),
         scratch_types=[
-            plgpu.SMEM((1, chunk_cols), x_nd.dtype),
+            plgpu.SMEM((1, chunk_cols), src_ad.dtype),
             plgpu.Barrier(num_arrivals=1),
         ],
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )(x_nd, *tables, scalar(count), arrivals_u, scalar(round_index))
+    )(
+        src_ad,
+        *tables,
+        moves.count.reshape(1),
+        moves.arrivals_c,
+        jnp.asarray(round_index, jnp.int32).reshape(1),
+    )
+    # The kernel's output type drops the mesh axes it varies over: state them again.
+    varying = lambda a: set(jax.typeof(a).manual_axis_type.varying)  # noqa: E731
+    missing = tuple(sorted(varying(src_ad) - varying(out)))
+    return lax.pcast(out, missing, to="varying") if missing else out

@@ -1,37 +1,43 @@
-"""The exchange's dispatch in plain JAX (the spec of mosaic_gpu.dispatch): inside
-`jax.shard_map`, every device's rows of one round land in their receivers' buffers, at the
-slots the protocol gives them."""
+"""One direction of the exchange in plain JAX (the spec of mosaic_gpu.send_rows, and its
+stand-in where Mosaic GPU cannot run): inside `jax.shard_map`, the rows every device's `Moves`
+copy in one round land in their peers' outputs."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 from jax import Array, lax
 
+from pallas_kernels.exchange.moves import Moves
 
-def dispatch(
-    x_nd: Array,
-    dest_n: Array,
-    round_n: Array,
-    slot_n: Array,
-    round_index: Array,
-    *,
-    num_slots: int,
-    axis_name: str,
+
+def send_rows(
+    src_ad: Array, moves: Moves, round_index: Array, *, out_rows: int, axis_name: str
 ) -> Array:
-    """This device's receive buffer [S, D] of round `round_index`: slot q holds the row some
-    device sent to slot q of this device in that round, zeros elsewhere.
-
-    x_nd [N, D] are this device's rows; dest_n, round_n, slot_n (int32 [N]) each row's
-    receiver (its index along `axis_name`), round and slot (-1: the row goes nowhere), as
-    `mok_jax.exchange_protocol.row_places` gives them.
-    """
+    """This device's output [out_rows, D] of round `round_index` (zeros where no copy lands):
+    `mosaic_gpu.send_rows`'s contract, with all_gathers. Output row o comes from the one copy
+    of the round whose destination rows [dst, dst + size) on this device hold o."""
+    moves.check()
     me = lax.axis_index(axis_name)
-    x_snd, dest_sn, round_sn, slot_sn = (
-        lax.all_gather(a, axis_name) for a in (x_nd, dest_n, round_n, slot_n)
+    gather = lambda a: lax.all_gather(a, axis_name)  # noqa: E731
+    src_sad = gather(src_ad)
+    _, num_rows, d_model = src_sad.shape
+    src_sp, dst_sp, size_sp, peer_sp, round_sp = (
+        gather(a) for a in (moves.src_p, moves.dst_p, moves.size_p, moves.peer_p, moves.round_p)
     )
-    mine_sn = (dest_sn == me) & (round_sn == round_index) & (slot_sn >= 0)
-    # Distinct slots (the protocol's invariant 1): a set, not an accumulation; rows of
-    # other devices and rounds go past the end and are dropped.
-    index = jnp.where(mine_sn, slot_sn, num_slots).reshape(-1)
-    rows = x_snd.reshape(-1, x_nd.shape[-1])
-    return jnp.zeros((num_slots, x_nd.shape[-1]), x_nd.dtype).at[index].set(rows, mode="drop")
+    real_sp = jnp.arange(src_sp.shape[1]) < gather(moves.count)[:, None]
+    mine_sp = real_sp & (peer_sp == me) & (round_sp == round_index) & (size_sp > 0)
+    # This device's copies sorted by their first destination row (the protocol keeps them
+    # disjoint); the others after them.
+    key = jnp.where(mine_sp, dst_sp, out_rows).reshape(-1)
+    order = jnp.argsort(key, stable=True)
+    dst_c, key_c = dst_sp.reshape(-1)[order], key[order]
+    row_o = jnp.arange(out_rows, dtype=jnp.int32)
+    c_o = jnp.searchsorted(key_c, row_o, side="right") - 1  # the last copy starting at or before o
+    c_o = jnp.clip(c_o, 0, key_c.shape[0] - 1)
+    flat = order[c_o]
+    lane_o = row_o - dst_c[c_o]
+    hit_o = (key_c[c_o] <= row_o) & (lane_o < size_sp.reshape(-1)[flat])
+    source_o = flat // src_sp.shape[1]
+    index_o = jnp.clip(src_sp.reshape(-1)[flat] + lane_o, 0, num_rows - 1)
+    rows_od = src_sad.reshape(-1, d_model)[source_o * num_rows + index_o]
+    return jnp.where(hit_o[:, None], rows_od, jnp.zeros((), src_ad.dtype))

@@ -126,7 +126,7 @@ class PallasMeshTest(parameterized.TestCase):
     def test_reference_still_refuses_a_mesh(self):
         cfg = with_impl(QWEN3, "reference")
         x, params, _ = random_inputs(cfg, NUM_TOKENS)
-        with self.assertRaisesRegex(ValueError, "under a mesh use 'xla' or 'pallas'"):
+        with self.assertRaisesRegex(ValueError, "under a mesh use 'xla', 'pallas' or 'fused'"):
             mok_jax.moe(x, params, cfg, mesh=mesh_of("expert", 2))
 
 

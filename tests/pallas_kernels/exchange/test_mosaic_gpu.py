@@ -1,11 +1,13 @@
-"""The dispatch kernel of the in-kernel exchange: it lowers for CUDA inside shard_map on 8
-devices (CI, on the CPU), rejects bad tables, and its spec (reference.py) puts every row where
-the protocol says. On GPUs (a 1-device mesh on one GPU: the exchange's copies go to itself)
-its buffers should be the reference's, bit for bit, round by round: that test is skipped until
-the kernel has run on a GPU (see mosaic_gpu.py's status)."""
+"""The exchange's kernel (`send_rows`, one direction of a round): it lowers for CUDA inside
+shard_map on 8 devices (CI, on the CPU), rejects bad tables, and its spec (reference.py), with
+the protocol's tables, puts every row where the protocol says and brings every row back. On
+GPUs (a 1-device mesh on one GPU: the exchange's copies go to itself) its buffers are the
+planned ones, bit for bit, round by round."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import re
 
 import chex
@@ -19,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from mok_jax import exchange
 from mok_jax import exchange_protocol as xp
-from pallas_kernels.exchange import mosaic_gpu, reference
+from pallas_kernels.exchange import Moves, mosaic_gpu, reference
 
 AXIS = "expert"
 
@@ -37,25 +39,20 @@ def random_counts(seed: int, num_devices: int, num_local: int, num_rows: int) ->
 
 
 def dispatch_fn(num_local, num_rows, window, tile, *, kernel: bool, num_blocks=None):
-    """(x [EP * N, D], counts [EP, E], round []) -> buffers [EP * S, D], inside shard_map."""
+    """(x [EP * N, D], counts [EP, E], round []) -> (buffers [EP * S, D], rows back
+    [EP * N, D]), inside shard_map: the round's dispatch, then its return of the buffers."""
     slots = xp.num_tiles(window, tile, num_local) * tile
 
     def body(x, counts_se, round_index):
         me = jax.lax.axis_index(AXIS)
         t = exchange.traffic(counts_se, num_local)
-        places = xp.row_places(t, me, num_rows, window, tile)
-        pcs = xp.pieces(places, tile)
-        arrivals = xp.tile_arrivals(t, me, round_index, window, tile)
+        dispatch, back = xp.exchange_moves(t, me, round_index, num_rows, window, tile)
         if kernel:
-            return mosaic_gpu.dispatch(
-                x, pcs.row_p, pcs.slot_p, pcs.size_p, pcs.dest_p, pcs.round_p, pcs.tile_p,
-                pcs.count, arrivals, round_index, num_slots=slots, tile=tile, axis_name=AXIS,
-                num_blocks=num_blocks,
-            )  # fmt: skip
-        return reference.dispatch(
-            x, places.dest_n, places.round_n, places.slot_n, round_index,
-            num_slots=slots, axis_name=AXIS,
-        )  # fmt: skip
+            send = functools.partial(mosaic_gpu.send_rows, axis_name=AXIS, num_blocks=num_blocks)
+        else:
+            send = functools.partial(reference.send_rows, axis_name=AXIS)
+        buf = send(x, dispatch, round_index, out_rows=slots)
+        return buf, send(buf, back, round_index, out_rows=num_rows)
 
     return body, slots
 
@@ -70,7 +67,9 @@ def test_dispatch_lowers_for_cuda_inside_shard_map_on_8_devices():
     num_devices, num_local, num_rows, window, tile, d_model = 8, 4, 512, 640, 64, 2048
     mesh = jax.make_mesh((num_devices,), (AXIS,))
     body, _ = dispatch_fn(num_local, num_rows, window, tile, kernel=True, num_blocks=132)
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS), P(), P()), out_specs=P(AXIS)))
+    fn = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS), P(), P()), out_specs=(P(AXIS),) * 2)
+    )
     args = (
         jax.ShapeDtypeStruct((num_devices * num_rows, d_model), jnp.bfloat16,
                              sharding=jax.NamedSharding(mesh, P(AXIS))),
@@ -84,28 +83,28 @@ def test_dispatch_lowers_for_cuda_inside_shard_map_on_8_devices():
     # barrier (invariant 4).
     assert "uses_xla_collective_metadata = true" in text
     assert "skip_device_barrier = false" in text
-    # The tile semaphores are one set for the kernel, zeroed before each launch: U counters,
-    # not one set per block (what kernel scratch semaphores would be).
+    # The dispatch's tile counters are one set for the kernel, zeroed before each launch: U
+    # counters, not one set per block (what kernel scratch semaphores would be); the return
+    # has one counter.
     num_tiles = xp.num_tiles(window, tile, num_local)
     assert re.search(rf"dims = \[\] : \(tensor<i32>\) -> tensor<{num_tiles}xi32>", text)
     assert f"tensor<{132 * num_tiles}xi32>" not in text
+    assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 2
 
 
 def test_bad_tables_raise():
     x = jnp.zeros((8, 128), jnp.bfloat16)
     table = jnp.zeros((8,), jnp.int32)
-    tables = (table,) * 6 + (jnp.int32(1),)
-    good = dict(num_slots=16, tile=4, axis_name=AXIS, num_blocks=2)
-    with pytest.raises(ValueError, match="multiple of tile"):
-        mosaic_gpu.dispatch(x, *tables, jnp.zeros(4, jnp.int32), 0, **{**good, "num_slots": 18})
-    with pytest.raises(ValueError, match="arrivals_u has shape"):
-        mosaic_gpu.dispatch(x, *tables, jnp.zeros(3, jnp.int32), 0, **good)
-    bad = (table.astype(jnp.float32), *tables[1:])
-    with pytest.raises(ValueError, match="int32 of one shape"):
-        mosaic_gpu.dispatch(x, *bad, jnp.zeros(4, jnp.int32), 0, **good)
+    good = Moves(*(table,) * 6, count=jnp.int32(1), arrivals_c=jnp.zeros(4, jnp.int32))
+    send = functools.partial(mosaic_gpu.send_rows, out_rows=16, axis_name=AXIS, num_blocks=2)
+    with pytest.raises(ValueError, match="of one shape"):
+        send(x, dataclasses.replace(good, dst_p=jnp.zeros((7,), jnp.int32)), 0)
+    with pytest.raises(ValueError, match="count must be"):
+        send(x, dataclasses.replace(good, count=jnp.zeros((1,), jnp.int32)), 0)
+    with pytest.raises(ValueError, match="must be int32"):
+        send(x, dataclasses.replace(good, size_p=table.astype(jnp.float32)), 0)
     with pytest.raises(ValueError, match="column chunk"):
-        mosaic_gpu.dispatch(jnp.zeros((8, 6), jnp.bfloat16), *tables, jnp.zeros(4, jnp.int32),
-                            0, **good)  # fmt: skip
+        send(jnp.zeros((8, 6), jnp.bfloat16), good, 0)
 
 
 def planned_buffers(counts_se, x_snd, num_local, window, tile):
@@ -127,20 +126,47 @@ def planned_buffers(counts_se, x_snd, num_local, window, tile):
     return buf, filled, rounds
 
 
-def test_the_reference_puts_every_row_where_the_protocol_says():
+def planned_returns(counts_se, x_snd, num_local, window, tile, round_index):
+    """[EP, N, D]: every device's rows of the round, zeros elsewhere (what the return brings
+    back when the buffers are sent back as they came)."""
+    t = exchange.traffic(jnp.asarray(counts_se), num_local)
+    rows = np.zeros_like(x_snd)
+    for s in range(x_snd.shape[0]):
+        places = xp.row_places(t, jnp.int32(s), x_snd.shape[1], window, tile)
+        mine = np.asarray(places.round_n) == round_index
+        rows[s][mine] = x_snd[s][mine]
+    return rows
+
+
+def test_the_reference_puts_every_row_where_the_protocol_says_and_back():
     num_devices, num_local, num_rows, window, tile, d_model = 8, 2, 24, 24, 4, 16
     counts_se = random_counts(0, num_devices, num_local, num_rows)
     x_snd = np.arange(num_devices * num_rows * d_model, dtype=np.float32).reshape(
         num_devices, num_rows, d_model
     )
-    want, _, rounds = planned_buffers(counts_se, x_snd, num_local, window, tile)
+    want, filled, rounds = planned_buffers(counts_se, x_snd, num_local, window, tile)
     assert rounds >= 2
     mesh = jax.make_mesh((num_devices,), (AXIS,))
     body, slots = dispatch_fn(num_local, num_rows, window, tile, kernel=False)
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS), P(), P()), out_specs=P(AXIS)))
+
+    def with_layout(x, counts_se, round_index):
+        me = jax.lax.axis_index(AXIS)
+        t = exchange.traffic(counts_se, num_local)
+        _, filled_s = xp.buffer_layout(t, me, round_index, window, tile)
+        return *body(x, counts_se, round_index), filled_s
+
+    fn = jax.jit(
+        jax.shard_map(with_layout, mesh=mesh, in_specs=(P(AXIS), P(), P()),
+                      out_specs=(P(AXIS),) * 3)
+    )  # fmt: skip
     for r in range(rounds):
-        got = fn(*placed(mesh, x_snd.reshape(-1, d_model), counts_se, r))
-        chex.assert_trees_all_equal(np.asarray(got).reshape(num_devices, slots, -1), want[:, r])
+        buf, back, filled_s = fn(*placed(mesh, x_snd.reshape(-1, d_model), counts_se, r))
+        chex.assert_trees_all_equal(np.asarray(buf).reshape(num_devices, slots, -1), want[:, r])
+        chex.assert_trees_all_equal(np.asarray(filled_s).reshape(num_devices, -1), filled[:, r])
+        chex.assert_trees_all_equal(
+            np.asarray(back).reshape(x_snd.shape),
+            planned_returns(counts_se, x_snd, num_local, window, tile, r),
+        )
 
 
 def test_the_piece_copies_place_every_row_in_interpret_mode():
@@ -188,13 +214,8 @@ def test_the_piece_copies_place_every_row_in_interpret_mode():
 
 
 @pytest.mark.gpu
-@pytest.mark.skip(
-    reason="the kernel hung on its first H200 run (2026-12-01, 1-device mesh; "
-    "bench/results/2026-12-01_exchange_dispatch_h200/); its likely cause is fixed but not yet "
-    "run on a GPU: run this by hand, then drop the skip"
-)
 @pytest.mark.parametrize("num_local,num_rows,window,tile", [(4, 4096, 3072, 64), (3, 200, 96, 8)])
-def test_gpu_dispatch_fills_the_buffers_of_the_reference(num_local, num_rows, window, tile):
+def test_gpu_dispatch_and_return_place_every_row(num_local, num_rows, window, tile):
     devices = jax.devices()
     num_devices, d_model = len(devices), 2048
     counts_se = random_counts(1, num_devices, num_local, num_rows)
@@ -204,15 +225,18 @@ def test_gpu_dispatch_fills_the_buffers_of_the_reference(num_local, num_rows, wi
     want, filled, rounds = planned_buffers(counts_se, x_snd, num_local, window, tile)
     assert rounds >= 2  # the window holds less than a device gets: several rounds
     mesh = jax.make_mesh((num_devices,), (AXIS,), devices=devices)
-    specs = dict(mesh=mesh, in_specs=(P(AXIS), P(), P()), out_specs=P(AXIS))
+    specs = dict(mesh=mesh, in_specs=(P(AXIS), P(), P()), out_specs=(P(AXIS),) * 2)
     kernel, slots = dispatch_fn(num_local, num_rows, window, tile, kernel=True)
-    spec, _ = dispatch_fn(num_local, num_rows, window, tile, kernel=False)
-    kernel, spec = (jax.jit(jax.shard_map(f, **specs)) for f in (kernel, spec))
+    kernel = jax.jit(jax.shard_map(kernel, **specs))
     for r in range(rounds):
-        args = placed(mesh, x, counts_se, r)
-        got = np.asarray(kernel(*args)).reshape(num_devices, slots, -1)
-        ref = np.asarray(spec(*args)).reshape(num_devices, slots, -1)
+        buf, back = (np.asarray(a) for a in kernel(*placed(mesh, x, counts_se, r)))
         # Slots no piece fills are unspecified in the kernel's buffer: compare the filled ones.
         mask = filled[:, r]
-        np.testing.assert_array_equal(ref[mask], want[:, r][mask])
-        np.testing.assert_array_equal(got[mask], want[:, r][mask])
+        np.testing.assert_array_equal(buf.reshape(num_devices, slots, -1)[mask], want[:, r][mask])
+        # The return: every row of the round back in place (the others are unspecified).
+        rows = planned_returns(counts_se, x_snd, num_local, window, tile, r)
+        t = exchange.traffic(jnp.asarray(counts_se), num_local)
+        for s in range(num_devices):
+            mine = np.asarray(xp.row_places(t, jnp.int32(s), num_rows, window, tile).round_n) == r
+            got = back.reshape(num_devices, num_rows, -1)[s][mine]
+            np.testing.assert_array_equal(got, rows[s][mine])

@@ -1,0 +1,246 @@
+"""Bisects the in-kernel exchange's dispatch kernel on a GPU (issue 7): small Mosaic GPU kernels,
+from semaphores alone to the full dispatch, each run in a subprocess under a timeout (a wrong
+semaphore count hangs rather than fails). Writes one JSON record a probe.
+
+    PYTHONPATH=. python -m bench.exchange_probe --out probe.json [--timeout 60] [--only NAME]
+
+Probes (one device, one mesh axis of size 1 where shard_map is used):
+  sem_one_block    one block signals a global semaphore and waits for it
+  sem_blocks       132 blocks signal tiles from a table; block 0 waits for each tile's count
+  copies           the dispatch's copy path alone (`copy_piece`, no semaphores), checked
+  dispatch         the dispatch and return kernels in shard_map against the protocol's plan,
+                   2 rounds, timed
+  layer            `fused` at qwen3_30b_a3b (4096 tokens) on a 1-device mesh (the exchange's
+                   kernels, one round) against `fused` without a mesh: y bitwise, both timed
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+PROBES = ("sem_one_block", "sem_blocks", "copies", "dispatch", "layer")
+
+
+def _sem_one_block() -> dict:
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    def kernel(o_ref):
+        sems = pl.get_global(plgpu.SemaphoreType.REGULAR((4,)))
+        pl.semaphore_signal(sems.at[2])
+        pl.semaphore_wait(sems.at[2], 1)
+        o_ref[...] = jnp.full(o_ref.shape, 7, jnp.int32)
+
+    out = plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((128,), jnp.int32))()
+    return {"ok": bool(np.all(np.asarray(out) == 7))}
+
+
+def _sem_blocks() -> dict:
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    num_blocks, num_tiles = 132, 40
+    tile_b = (np.arange(num_blocks) * 7) % num_tiles
+    arrivals = np.bincount(tile_b, minlength=num_tiles).astype(np.int32)
+
+    def kernel(tile_ref, arrivals_ref, o_ref):
+        block = lax.axis_index("blocks")
+        sems = pl.get_global(plgpu.SemaphoreType.REGULAR((num_tiles,)))
+        pl.semaphore_signal(sems.at[tile_ref[block]])
+
+        @pl.when(block == 0)
+        def _wait():
+            @pl.loop(0, num_tiles)
+            def _tile(u):
+                pl.semaphore_wait(sems.at[u], arrivals_ref[u])
+
+            o_ref[...] = jnp.full(o_ref.shape, 7, jnp.int32)
+
+    run = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((128,), jnp.int32),
+        grid=(num_blocks,),
+        grid_names=("blocks",),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )
+    tables = (jnp.asarray(tile_b, jnp.int32), jnp.asarray(arrivals))
+    outs = [np.asarray(run(*tables)) for _ in range(3)]
+    return {"ok": all(bool(np.all(o == 7)) for o in outs), "launches": 3}
+
+
+def _case():
+    """The GPU test's first case: 4 local experts, 4096 rows, window 3072, tile 64, D 2048."""
+    from tests.pallas_kernels.exchange import test_mosaic_gpu as t
+
+    return t, dict(num_local=4, num_rows=4096, window=3072, tile=64)
+
+
+def _copies() -> dict:
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from mok_jax import exchange
+    from mok_jax import exchange_protocol as xp
+    from pallas_kernels.exchange import mosaic_gpu
+
+    t_mod, case = _case()
+    num_local, num_rows, window, tile = case.values()
+    d_model, blocks = 2048, 132
+    counts_se = t_mod.random_counts(1, 1, num_local, num_rows)
+    traffic = exchange.traffic(jnp.asarray(counts_se), num_local)
+    x = jax.random.normal(jax.random.key(0), (num_rows, d_model), jnp.float32).astype(jnp.bfloat16)
+    want, filled, rounds = t_mod.planned_buffers(counts_se, np.asarray(x)[None], num_local,
+                                                 window, tile)  # fmt: skip
+    pcs = xp.pieces(xp.row_places(traffic, jnp.int32(0), num_rows, window, tile), tile)
+    chunk = mosaic_gpu._chunk_cols(d_model, 2)
+
+    def kernel(x_ref, row_ref, slot_ref, size_ref, round_p_ref, count_ref, round_ref, buf_ref,
+               stage_smem, loaded):  # fmt: skip
+        @pl.loop(jax.lax.axis_index("blocks"), count_ref[0], step=blocks)
+        def _piece(p):
+            @pl.when(round_p_ref[p] == round_ref[0])
+            def _send():
+                mosaic_gpu.copy_piece(x_ref, buf_ref, row_ref[p], slot_ref[p], size_ref[p],
+                                      stage_smem, loaded, chunk_cols=chunk)  # fmt: skip
+
+    slots = xp.num_tiles(window, tile, num_local) * tile
+    run = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((slots, d_model), x.dtype),
+        grid=(blocks,),
+        grid_names=("blocks",),
+        scratch_types=[plgpu.SMEM((1, chunk), x.dtype), plgpu.Barrier(num_arrivals=1)],
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )
+    ok = True
+    for r in range(rounds):
+        got = run(x, pcs.row_p, pcs.slot_p, pcs.size_p, pcs.round_p, pcs.count.reshape(1),
+                  jnp.int32(r).reshape(1))  # fmt: skip
+        mask = filled[0, r]
+        ok &= bool(np.array_equal(np.asarray(got)[mask], want[0, r][mask]))
+    return {"ok": ok, "rounds": int(rounds), "pieces": int(pcs.count)}
+
+
+def _dispatch() -> dict:
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    t_mod, case = _case()
+    d_model = 2048
+    counts_se = t_mod.random_counts(1, 1, case["num_local"], case["num_rows"])
+    x = jax.random.normal(jax.random.key(0), (case["num_rows"], d_model), jnp.float32)
+    x = x.astype(jnp.bfloat16)
+    want, filled, rounds = t_mod.planned_buffers(
+        counts_se, np.asarray(x)[None], case["num_local"], case["window"], case["tile"]
+    )
+    mesh = jax.make_mesh((1,), (t_mod.AXIS,), devices=jax.devices()[:1])
+    body, _ = t_mod.dispatch_fn(*case.values(), kernel=True)
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(t_mod.AXIS), P(), P()),
+                               out_specs=(P(t_mod.AXIS),) * 2))  # fmt: skip
+    ok, times = True, []
+    for r in range(rounds):
+        args = t_mod.placed(mesh, x, counts_se, r)
+        got = np.asarray(fn(*args)[0])
+        ok &= bool(np.array_equal(got[filled[0, r]], want[0, r][filled[0, r]]))
+    args = t_mod.placed(mesh, x, counts_se, 0)
+    for _ in range(10):
+        start = time.perf_counter()
+        fn(*args).block_until_ready()
+        times.append(time.perf_counter() - start)
+    rows = int(np.sum(filled[0, 0]))
+    best = min(times)
+    # Dispatch and return: each round-0 row moves twice.
+    return {"ok": ok, "rounds": int(rounds), "round0_rows": rows, "best_ms": 1e3 * best,
+            "round0_GBps": 2 * rows * d_model * 2 / best / 1e9}  # fmt: skip
+
+
+def _layer() -> dict:
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    from mok_jax import make_mesh, moe, presets
+    from tests.mok_jax.cases import random_inputs
+
+    cfg = dataclasses.replace(presets["qwen3_30b_a3b"], implementation="fused")
+    x, params, cotangent = random_inputs(cfg, 4096, 0)
+    mesh = make_mesh("expert", devices=jax.devices()[:1])
+
+    def timed(fn, *args):
+        out = jax.block_until_ready(fn(*args))
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times.append(time.perf_counter() - start)
+        return out, 1e3 * float(np.median(times))
+
+    record = {}
+    outs = {}
+    for name, m in (("no_mesh", None), ("mesh_1", mesh)):
+        fwd = jax.jit(lambda x, p, m=m: moe(x, p, cfg, mesh=m)[0])
+
+        def loss(x, p, m=m):
+            return jnp.vdot(moe(x, p, cfg, mesh=m)[0].astype(jnp.float32), cotangent)
+
+        grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
+        outs[name], record[f"{name}_fwd_ms"] = timed(fwd, x, params)
+        (outs[name + "_dx"], _), record[f"{name}_fwd_bwd_ms"] = timed(grad, x, params)
+    record["ok"] = bool(jnp.all(outs["no_mesh"] == outs["mesh_1"])) and bool(
+        jnp.all(outs["no_mesh_dx"] == outs["mesh_1_dx"])
+    )
+    return record
+
+
+def _run_one(name: str) -> None:
+    record = {"probe": name}
+    start = time.perf_counter()
+    record.update(globals()[f"_{name}"]())
+    record["seconds"] = time.perf_counter() - start
+    print(json.dumps(record))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--timeout", type=float, default=60.0)
+    parser.add_argument("--only", choices=PROBES)
+    parser.add_argument("--child", choices=PROBES, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        _run_one(args.child)
+        return
+    records = []
+    for name in [args.only] if args.only else PROBES:
+        cmd = [sys.executable, "-m", "bench.exchange_probe", "--out", "-", "--child", name]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+            lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+            record = json.loads(lines[-1]) if lines else {"probe": name, "ok": False}
+            record["returncode"] = done.returncode
+            record["stderr_tail"] = done.stderr[-3000:]
+        except subprocess.TimeoutExpired:
+            record = {"probe": name, "ok": False, "hung": True, "timeout_s": args.timeout}
+        print(json.dumps({k: v for k, v in record.items() if k != "stderr_tail"}), flush=True)
+        records.append(record)
+    with open(args.out, "w") as f:
+        json.dump(records, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

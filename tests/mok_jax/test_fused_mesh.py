@@ -1,0 +1,113 @@
+"""implementation="fused" under a mesh (issue 7): the exchange inside kernels.
+
+Each round's dispatch and return are the exchange's kernels (`pallas_kernels.exchange`: remote
+copies and semaphores, into the protocol's tile-aligned expert-major buffers); the grouped-GEMM
+kernels run on those buffers with the routing weights in the down projection's epilogue. On
+the CPU the exchange runs its all_gather spec (Mosaic GPU's interpret mode has no remote refs or
+semaphores) and the GEMM kernels run in GPU interpret mode; the forward+backward is also lowered
+for CUDA on 8 devices with the exchange kernels themselves. y and dx are the bits of `fused` on
+one device (a row meets the same kernels, whatever its tile); the weights' gradients, summed
+over rounds and devices, are held to the bf16 tolerance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+
+import chex
+import jax
+import pytest
+
+from mok_jax import make_mesh, presets
+from tests.mok_jax.cases import (
+    SCALED_PRESETS,
+    assert_aux_equal,
+    assert_close,
+    num_gpus,
+    random_inputs,
+    with_impl,
+)
+from tests.mok_jax.test_expert_parallel import value_and_grads
+from tests.mok_jax.test_pallas_mesh import (
+    MOSAIC_GPU_CALL,
+    gpu_interpret_on_several_devices,
+    lowered_with_kernels,
+)
+
+# Small enough for interpret mode: 8 experts, top-2, 8-row tiles (D = F = 64); a window of a
+# quarter of the balanced load, so the exchange takes several rounds.
+QWEN3 = dataclasses.replace(
+    SCALED_PRESETS["qwen3_30b_a3b"],
+    implementation="fused",
+    num_experts=8,
+    top_k=2,
+    row_tile=8,
+    buffer_factor=0.25,
+)
+NUM_TOKENS = 32
+
+
+@functools.cache
+def one_device(cfg, seed):
+    """'fused' without a mesh: ((loss, (y, aux)), (dx, dparams))."""
+    return value_and_grads(*random_inputs(cfg, NUM_TOKENS, seed), cfg, None)
+
+
+def assert_fused_matches_one_device(result, base, dtype):
+    """y and dx the same bits as on one device, the counts exactly, the parameters' gradients
+    to tolerance (the rounds differ: one device has one)."""
+    (_, (y, aux)), (dx, dp) = result
+    (_, (y1, aux1)), (dx1, dp1) = base
+    chex.assert_trees_all_equal(y, y1)
+    chex.assert_trees_all_equal(dx, dx1)
+    assert_aux_equal(aux, aux1)
+    assert_close(dp, dp1, dtype)
+
+
+def test_two_devices_equal_one():
+    """EP 2 in several rounds, then 2 devices on the data axis (EP 1: the exchange's copies go
+    to the device itself)."""
+    x, params, cotangent = random_inputs(QWEN3, NUM_TOKENS, 0)
+    base = one_device(QWEN3, 0)
+    with gpu_interpret_on_several_devices():
+        for mesh, min_rounds in (
+            (make_mesh("expert", devices=jax.devices()[:2]), 2),
+            (make_mesh("data_expert", data=2, devices=jax.devices()[:2]), 2),
+        ):
+            result = value_and_grads(x, params, cotangent, QWEN3, mesh)
+            assert int(result[0][1][1].rounds) >= min_rounds
+            assert_fused_matches_one_device(result, base, QWEN3.dtype)
+
+
+def test_lowered_for_cuda_on_8_devices():
+    """The forward+backward lowers for CUDA on EP 8 with the exchange's kernels and no
+    collective for the rows (the per-expert counts' all_gather and the rounds' pmax stay)."""
+    cfg = with_impl(SCALED_PRESETS["deepseek_v3"], "fused")
+    mesh = make_mesh("expert", devices=jax.devices()[:8])
+    x, params, cotangent = random_inputs(cfg, 64, 0)
+    text = lowered_with_kernels(x, params, cotangent, cfg, mesh)
+    assert "sdy.manual_computation" in text
+    # A round's forward: 3 exchange kernels (rows, weights, results) and 2 GEMM kernels; its
+    # backward the forward again, 3 exchange kernels back and the GEMM gradients.
+    assert len(MOSAIC_GPU_CALL.findall(text)) >= 14
+    assert "uses_xla_collective_metadata = true" in text
+    for collective in ("ragged_all_to_all", "all_to_all", "collective_permute"):
+        assert not re.search(rf"stablehlo\.{collective}\b", text), collective
+    assert "all_gather" in text  # the per-expert counts
+    assert "io_callback" not in text  # no interpret mode left
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(num_gpus() < 1, reason="needs a GPU")
+def test_gpu_one_device_mesh_equals_no_mesh():
+    """On one GPU: a 1-device mesh (the exchange's kernels copy to the device itself, in
+    several rounds) against `fused` without a mesh, at a real width."""
+    cfg = dataclasses.replace(presets["qwen3_30b_a3b"], implementation="fused", buffer_factor=0.3)
+    x, params, cotangent = random_inputs(cfg, 2048, 0)
+    base = value_and_grads(x, params, cotangent, cfg, None)
+    mesh = make_mesh("expert", devices=jax.devices()[:1])
+    result = value_and_grads(x, params, cotangent, cfg, mesh)
+    assert int(result[0][1][1].rounds) >= 2
+    assert_fused_matches_one_device(result, base, cfg.dtype)
