@@ -105,7 +105,7 @@ def _copies() -> dict:
     want, filled, rounds = t_mod.planned_buffers(counts_se, np.asarray(x)[None], num_local,
                                                  window, tile)  # fmt: skip
     pcs = xp.pieces(xp.row_places(traffic, jnp.int32(0), num_rows, window, tile), tile)
-    chunk = mosaic_gpu._chunk_cols(d_model, 2)
+    box = mosaic_gpu.stage_rows(d_model, 2)
 
     def kernel(x_ref, row_ref, slot_ref, size_ref, round_p_ref, count_ref, round_ref, buf_ref,
                stage_smem, loaded):  # fmt: skip
@@ -114,7 +114,7 @@ def _copies() -> dict:
             @pl.when(round_p_ref[p] == round_ref[0])
             def _send():
                 mosaic_gpu.copy_piece(x_ref, buf_ref, row_ref[p], slot_ref[p], size_ref[p],
-                                      stage_smem, loaded, chunk_cols=chunk)  # fmt: skip
+                                      stage_smem, loaded)  # fmt: skip
 
     slots = xp.num_tiles(window, tile, num_local) * tile
     run = plgpu.kernel(
@@ -122,7 +122,7 @@ def _copies() -> dict:
         out_type=jax.ShapeDtypeStruct((slots, d_model), x.dtype),
         grid=(blocks,),
         grid_names=("blocks",),
-        scratch_types=[plgpu.SMEM((1, chunk), x.dtype), plgpu.Barrier(num_arrivals=1)],
+        scratch_types=[plgpu.SMEM((box, d_model), x.dtype), plgpu.Barrier(num_arrivals=1)],
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
     ok = True
@@ -159,7 +159,7 @@ def _dispatch() -> dict:
     args = t_mod.placed(mesh, x, counts_se, 0)
     for _ in range(10):
         start = time.perf_counter()
-        fn(*args).block_until_ready()
+        jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - start)
     rows = int(np.sum(filled[0, 0]))
     best = min(times)

@@ -8,10 +8,11 @@ own positions, one counter) are both this kernel, with the two directions' table
 
 Status (2026-12-01): correct on the H200 with a 1-device mesh (the copies go to the device
 itself; bench/results/2026-12-01_exchange_dispatch_h200_s11/), and it lowers for CUDA inside
-shard_map on 8 devices (CI). Not yet run across GPUs (the multi-GPU issue). Slow: rows move
-through shared memory one 256-column chunk at a time, a load and a store in flight a block
-(39 GB/s for a 12 MB round on the H200). No GEMM runs in the kernel yet: the experts read the
-buffer after it returns; fusing the tile waits into the grouped GEMM's producer comes next.
+shard_map on 8 devices (CI). Not yet run across GPUs (the multi-GPU issue). Rows move through
+shared memory in boxes of whole rows (up to 64 KiB), one load and one store in flight a block.
+(The first version moved one 256-column chunk of one row a box: 39 GB/s for a 12 MB round on
+the H200.) No GEMM runs in the kernel yet: the experts read the buffer after it returns;
+fusing the tile waits into the grouped GEMM's producer comes next.
 
 Invariants:
   1. Each output row is written by one copy, once a round (the protocol's destinations are
@@ -40,32 +41,67 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.exchange.moves import Moves
 from pallas_kernels.grouped_matmul import tuning
 
-# Columns a row-chunk copy moves (a TMA box is at most 256 elements a dimension).
-MAX_CHUNK_COLS = 256
+# Rows a copy moves at most (a power of two), and the shared memory its stage may take.
+MAX_BOX_ROWS = 64
+STAGE_BYTES = 64 * 1024
 
 
-def _chunk_cols(d_model: int, itemsize: int) -> int:
-    """The widest column chunk <= MAX_CHUNK_COLS that divides D, 16 bytes at least."""
-    for cols in range(min(d_model, MAX_CHUNK_COLS), 0, -1):
-        if d_model % cols == 0 and (cols * itemsize) % 16 == 0:
-            return cols
-    raise ValueError(f"d_model={d_model} has no column chunk of a multiple of 16 bytes")
+def stage_rows(d_model: int, itemsize: int) -> int:
+    """Rows of the copy stage [rows, D]: the largest power of two <= MAX_BOX_ROWS whose rows
+    fit in STAGE_BYTES. Raises ValueError if a row is not a multiple of 16 bytes (a bulk copy's
+    unit) or does not fit."""
+    row_bytes = d_model * itemsize
+    if row_bytes % 16:
+        raise ValueError(f"a row of {row_bytes} bytes (D={d_model}) must be a multiple of 16")
+    if row_bytes > STAGE_BYTES:
+        raise ValueError(f"a row of {row_bytes} bytes (D={d_model}) exceeds {STAGE_BYTES}")
+    rows = MAX_BOX_ROWS
+    while rows * row_bytes > STAGE_BYTES:
+        rows //= 2
+    return rows
 
 
-def copy_piece(x_ref, dst_ref, row, slot, size, stage_smem, loaded, *, chunk_cols: int) -> None:
-    """Rows [row, row + size) of x_ref to rows [slot, slot + size) of dst_ref (a peer's buffer
-    through `plgpu.remote_ref`, or this device's), one row-chunk at a time through stage_smem
-    [1, chunk_cols]; returns once the stores have completed (invariant 2)."""
+def copy_piece(src_ref, dst_ref, src_row, dst_row, size, stage_smem, loaded) -> None:
+    """Rows [src_row, + size) of src_ref to rows [dst_row, + size) of dst_ref (a peer's array
+    through `plgpu.remote_ref`, or this device's) through stage_smem [B, D] (B a power of
+    two): boxes of B whole rows, then one box a set bit of the rest (B/2, ..., 1), each loaded
+    and then stored; returns once the stores have completed (invariant 2).
 
-    @pl.loop(0, size)
-    def _row(i):
-        for c in range(x_ref.shape[1] // chunk_cols):
-            cols = pl.ds(c * chunk_cols, chunk_cols)
-            plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(row + i, 1), cols], stage_smem, loaded)
-            plgpu.barrier_wait(loaded)
-            plgpu.copy_smem_to_gmem(stage_smem, dst_ref.at[pl.ds(slot + i, 1), cols])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    Whole rows keep every box contiguous in memory, so Mosaic GPU moves it with a bulk copy
+    whose remote address is computed on the device from the peer's id: a strided box (a
+    column chunk of several rows) would need a tensor map built on the host, which cannot
+    know a peer read from a table."""
+    box = stage_smem.shape[0]
 
+    def move(offset, rows: int):
+        stage = stage_smem if rows == box else stage_smem.at[pl.ds(0, rows)]
+        plgpu.copy_gmem_to_smem(
+            src_ref.at[pl.ds(src_row + offset, rows)],
+            stage,
+            loaded,
+            # In bounds by the protocol: the plain bulk copy, not a tensor map (see above).
+            oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS,
+        )
+        plgpu.barrier_wait(loaded)
+        plgpu.copy_smem_to_gmem(stage, dst_ref.at[pl.ds(dst_row + offset, rows)])
+        # The stage is read before the next load overwrites it.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    full = size // box
+
+    @pl.loop(0, full)
+    def _full(i):
+        move(i * box, box)
+
+    rest = size - full * box
+    rows = box // 2
+    while rows >= 1:
+        # The rest's boxes in decreasing size: this one starts after the larger ones.
+        @pl.when((rest & rows) != 0)
+        def _part(rows=rows):
+            move(full * box + (rest & ~(2 * rows - 1)), rows)
+
+        rows //= 2
     plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 
 
@@ -85,7 +121,6 @@ def _send_rows_kernel(
     loaded,
     *,
     num_blocks: int,
-    chunk_cols: int,
     num_counters: int,
     axis_name: str,
     local: bool,
@@ -108,7 +143,7 @@ def _send_rows_kernel(
             dst_ref = out_ref if local else plgpu.remote_ref(out_ref, peer)
             # 2. The rows have landed before the counter counts the copy.
             copy_piece(src_ref, dst_ref, src_p_ref[p], dst_p_ref[p], size_p_ref[p], stage_smem,
-                       loaded, chunk_cols=chunk_cols)  # fmt: skip
+                       loaded)  # fmt: skip
             sem = counters.at[counter_p_ref[p]]
             pl.semaphore_signal(sem) if local else pl.semaphore_signal(sem, device_id=peer)
 
@@ -133,7 +168,7 @@ def send_rows(
     (and its own) copy here. Call inside `jax.shard_map` over the exchange's mesh axis; rows
     no copy fills are unspecified.
 
-    src_ad [A, D] (2-byte or 4-byte floats; a row a multiple of 16 bytes) is this device's
+    src_ad [A, D] (a row a multiple of 16 bytes, at most STAGE_BYTES) is this device's
     array; moves its copies (`Moves`);
     round_index int32 []. axis_name: the mesh axis of the peers (of size 1, the copies are
     local). num_blocks: the kernel's blocks (default: one a streaming multiprocessor).
@@ -142,11 +177,10 @@ def send_rows(
     _, d_model = src_ad.shape
     if num_blocks is None:
         num_blocks = tuning.persistent_grid_size()
-    chunk_cols = _chunk_cols(d_model, jnp.dtype(src_ad.dtype).itemsize)
+    box = stage_rows(d_model, jnp.dtype(src_ad.dtype).itemsize)
     kernel = functools.partial(
         _send_rows_kernel,
         num_blocks=num_blocks,
-        chunk_cols=chunk_cols,
         num_counters=moves.arrivals_c.shape[0],
         axis_name=axis_name,
         local=lax.axis_size(axis_name) == 1,
@@ -160,7 +194,7 @@ def send_rows(
         grid=(num_blocks,),
         grid_names=("blocks",),
         scratch_types=[
-            plgpu.SMEM((1, chunk_cols), src_ad.dtype),
+            plgpu.SMEM((box, d_model), src_ad.dtype),
             plgpu.Barrier(num_arrivals=1),
         ],
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),

@@ -103,8 +103,10 @@ def test_bad_tables_raise():
         send(x, dataclasses.replace(good, count=jnp.zeros((1,), jnp.int32)), 0)
     with pytest.raises(ValueError, match="must be int32"):
         send(x, dataclasses.replace(good, size_p=table.astype(jnp.float32)), 0)
-    with pytest.raises(ValueError, match="column chunk"):
+    with pytest.raises(ValueError, match="multiple of 16"):
         send(jnp.zeros((8, 6), jnp.bfloat16), good, 0)
+    with pytest.raises(ValueError, match="exceeds"):
+        send(jnp.zeros((8, 32768), jnp.float32), good, 0)
 
 
 def planned_buffers(counts_se, x_snd, num_local, window, tile):
@@ -172,8 +174,9 @@ def test_the_reference_puts_every_row_where_the_protocol_says_and_back():
 def test_the_piece_copies_place_every_row_in_interpret_mode():
     """The kernel's copy path (`copy_piece`, steps 1-2 without the signal: Mosaic GPU's
     interpret mode runs no semaphores) on one device, 4 blocks taking the pieces in turn as
-    the kernel does: every row lands in the slot the protocol gives it, in every round."""
-    num_local, num_rows, window, tile, d_model, blocks, chunk = 3, 200, 96, 8, 256, 4, 128
+    the kernel does, through a stage of 4 rows (pieces of up to 8 rows take a full box and
+    the rest's boxes): every row lands in the slot the protocol gives it, in every round."""
+    num_local, num_rows, window, tile, d_model, blocks = 3, 200, 96, 8, 256, 4
     counts_se = random_counts(1, 1, num_local, num_rows)
     t = exchange.traffic(jnp.asarray(counts_se), num_local)
     x = jax.random.normal(jax.random.key(0), (num_rows, d_model), jnp.float32)
@@ -189,7 +192,7 @@ def test_the_piece_copies_place_every_row_in_interpret_mode():
             @pl.when(round_p_ref[p] == round_ref[0])
             def _send():
                 mosaic_gpu.copy_piece(x_ref, buf_ref, row_ref[p], slot_ref[p], size_ref[p],
-                                      stage_smem, loaded, chunk_cols=chunk)  # fmt: skip
+                                      stage_smem, loaded)  # fmt: skip
 
     slots = xp.num_tiles(window, tile, num_local) * tile
     run = plgpu.kernel(
@@ -197,7 +200,7 @@ def test_the_piece_copies_place_every_row_in_interpret_mode():
         out_type=jax.ShapeDtypeStruct((slots, d_model), x.dtype),
         grid=(blocks,),
         grid_names=("blocks",),
-        scratch_types=[plgpu.SMEM((1, chunk), x.dtype), plgpu.Barrier(num_arrivals=1)],
+        scratch_types=[plgpu.SMEM((4, d_model), x.dtype), plgpu.Barrier(num_arrivals=1)],
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams(),
     )
@@ -206,6 +209,41 @@ def test_the_piece_copies_place_every_row_in_interpret_mode():
                   jnp.int32(r).reshape(1))  # fmt: skip
         mask = filled[0, r]
         np.testing.assert_array_equal(np.asarray(got)[mask], want[0, r][mask])
+
+
+def test_copy_piece_moves_every_size_in_interpret_mode():
+    """`copy_piece` with a stage of 4 rows, sizes 0 to 13 (full boxes and every combination of
+    the rest's boxes): exactly the piece's rows move, in order."""
+    sizes = np.arange(14, dtype=np.int32)
+    dst = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int32)
+    src = np.asarray((np.arange(14) * 5) % 17, np.int32)
+    x = np.arange(40 * 8, dtype=np.float32).reshape(40, 8)
+    out_rows = int(sizes.sum()) + 3
+
+    def copies(x_ref, src_ref, dst_ref, size_ref, out_ref, stage_smem, loaded):
+        @pl.loop(0, sizes.size)
+        def _piece(p):
+            mosaic_gpu.copy_piece(x_ref, out_ref, src_ref[p], dst_ref[p], size_ref[p],
+                                  stage_smem, loaded)  # fmt: skip
+
+    run = plgpu.kernel(
+        copies,
+        out_type=jax.ShapeDtypeStruct((out_rows, 8), jnp.float32),
+        scratch_types=[plgpu.SMEM((4, 8), jnp.float32), plgpu.Barrier(num_arrivals=1)],
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=plgpu.InterpretGPUParams(),
+    )
+    got = np.asarray(run(x, src, dst, sizes))
+    want = np.concatenate([x[a : a + n] for a, n in zip(src, sizes, strict=True)])
+    np.testing.assert_array_equal(got[: int(sizes.sum())], want)
+
+
+def test_stage_rows():
+    assert mosaic_gpu.stage_rows(256, 2) == 64  # 32 KiB
+    assert mosaic_gpu.stage_rows(2048, 2) == 16  # 64 KiB
+    assert mosaic_gpu.stage_rows(2048, 4) == 8
+    assert mosaic_gpu.stage_rows(7168, 4) == 2  # 56 KiB
+    assert mosaic_gpu.stage_rows(4, 4) == 64
 
 
 # ---------------------------------------------------------------------------------------------
