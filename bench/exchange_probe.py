@@ -11,7 +11,8 @@ Probes (one device, one mesh axis of size 1 where shard_map is used):
   dispatch         the dispatch and return kernels in shard_map against the protocol's plan,
                    2 rounds, timed
   layer            `fused` at qwen3_30b_a3b (4096 tokens) on a 1-device mesh (the exchange's
-                   kernels, one round) against `fused` without a mesh: y bitwise, both timed
+                   kernels, one round) at each of --tiles (exchange_tile) against `fused`
+                   without a mesh: y and dx bitwise, forward and forward+backward timed
 """
 
 from __future__ import annotations
@@ -168,7 +169,7 @@ def _dispatch() -> dict:
             "round0_GBps": 2 * rows * d_model * 2 / best / 1e9}  # fmt: skip
 
 
-def _layer() -> dict:
+def _layer(tiles: tuple[int, ...]) -> dict:
     import dataclasses
 
     import jax
@@ -177,8 +178,8 @@ def _layer() -> dict:
     from mok_jax import make_mesh, moe, presets
     from tests.mok_jax.cases import random_inputs
 
-    cfg = dataclasses.replace(presets["qwen3_30b_a3b"], implementation="fused")
-    x, params, cotangent = random_inputs(cfg, 4096, 0)
+    base = dataclasses.replace(presets["qwen3_30b_a3b"], implementation="fused")
+    x, params, cotangent = random_inputs(base, 4096, 0)
     mesh = make_mesh("expert", devices=jax.devices()[:1])
 
     def timed(fn, *args):
@@ -190,27 +191,30 @@ def _layer() -> dict:
             times.append(time.perf_counter() - start)
         return out, 1e3 * float(np.median(times))
 
-    record = {}
-    outs = {}
-    for name, m in (("no_mesh", None), ("mesh_1", mesh)):
-        fwd = jax.jit(lambda x, p, m=m: moe(x, p, cfg, mesh=m)[0])
+    record, outs = {"ok": True}, {}
+    runs = [("no_mesh", None, base)]
+    runs += [(f"mesh_1_tile{t}", mesh, dataclasses.replace(base, exchange_tile=t)) for t in tiles]
+    for name, m, cfg in runs:
+        fwd = jax.jit(lambda x, p, m=m, cfg=cfg: moe(x, p, cfg, mesh=m))
 
-        def loss(x, p, m=m):
+        def loss(x, p, m=m, cfg=cfg):
             return jnp.vdot(moe(x, p, cfg, mesh=m)[0].astype(jnp.float32), cotangent)
 
         grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
-        outs[name], record[f"{name}_fwd_ms"] = timed(fwd, x, params)
-        (outs[name + "_dx"], _), record[f"{name}_fwd_bwd_ms"] = timed(grad, x, params)
-    record["ok"] = bool(jnp.all(outs["no_mesh"] == outs["mesh_1"])) and bool(
-        jnp.all(outs["no_mesh_dx"] == outs["mesh_1_dx"])
-    )
+        (y, aux), record[f"{name}_fwd_ms"] = timed(fwd, x, params)
+        (dx, _), record[f"{name}_fwd_bwd_ms"] = timed(grad, x, params)
+        record[f"{name}_rounds"] = int(aux.rounds)
+        if outs:  # y and dx the bits of the run without a mesh
+            record["ok"] &= bool(jnp.all(y == outs["y"])) and bool(jnp.all(dx == outs["dx"]))
+        else:
+            outs = {"y": y, "dx": dx}
     return record
 
 
-def _run_one(name: str) -> None:
+def _run_one(name: str, tiles: tuple[int, ...]) -> None:
     record = {"probe": name}
     start = time.perf_counter()
-    record.update(globals()[f"_{name}"]())
+    record.update(_layer(tiles) if name == "layer" else globals()[f"_{name}"]())
     record["seconds"] = time.perf_counter() - start
     print(json.dumps(record))
 
@@ -220,14 +224,16 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--only", choices=PROBES)
+    parser.add_argument("--tiles", default="64", help="layer: exchange tiles, comma-separated")
     parser.add_argument("--child", choices=PROBES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        _run_one(args.child)
+        _run_one(args.child, tuple(int(t) for t in args.tiles.split(",")))
         return
     records = []
     for name in [args.only] if args.only else PROBES:
-        cmd = [sys.executable, "-m", "bench.exchange_probe", "--out", "-", "--child", name]
+        cmd = [sys.executable, "-m", "bench.exchange_probe", "--out", "-", "--child", name,
+               "--tiles", args.tiles]  # fmt: skip
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
             lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]

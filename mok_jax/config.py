@@ -151,6 +151,12 @@ class MoEConfig:
         [row_tile, D] (expert groups are padded to whole tiles), and every token its router and
         shared-expert weights in a dot of [row_tile, D], whatever the device count; this is
         what keeps y and dx the same bits for every expert-parallel degree. A multiple of 8.
+      exchange_tile: with implementation 'fused' under a mesh, rows per tile of the in-kernel
+        exchange's receive buffer: each local expert's rows of a round start on a tile
+        boundary (the grouped GEMMs also compute the padding, fewer than exchange_tile rows an
+        expert a round) and a receiver counts its rows' arrival tile by tile (the grain at
+        which the GEMMs can start on arrived rows, once overlapped). y and dx are the same bits
+        for every value.
       token_chunk: tokens per step of the token-wise stages (routing, combine, shared experts),
         which run in fixed-shape chunks of this many tokens (zero-padded, at least two) so that
         a token's bits do not depend on how many tokens a device holds; None: 8 * row_tile
@@ -195,6 +201,7 @@ class MoEConfig:
     exchange: Exchange = "ragged_all_to_all"
     buffer_factor: float = 2.0
     row_tile: int = 64
+    exchange_tile: int = 64
     fused_rows: FusedRows = "copied"
     fused_residuals: FusedResiduals = "inputs"
     fused_recompute: FusedRecompute = "gmm"
@@ -246,6 +253,7 @@ class MoEConfig:
         put("row_tile", check_int("row_tile", self.row_tile, minimum=8))
         if self.row_tile % 8:
             raise ValueError(f"row_tile={self.row_tile} must be a multiple of 8")
+        put("exchange_tile", check_int("exchange_tile", self.exchange_tile, minimum=1))
         put("dtype", compute_dtype(self.dtype))
         if self.implementation in ("pallas", "fused"):
             self._validate_pallas()

@@ -129,6 +129,7 @@ def _experts(
         dtype=cfg.dtype,
         kernel=kernels.get(cfg.implementation, "xla"),
         recompute=cfg.fused_recompute,
+        exchange_tile=cfg.exchange_tile,
     )
     weights = (params.w_gate, params.w_up, params.w_down)
     return routed_experts(x_nd, weights, plan.group_sizes_e, spec, scale_n)

@@ -55,6 +55,7 @@ class RoutedSpec:
       kernel: "xla" (batched dots), "pallas" (the Mosaic GPU grouped GEMMs) or "fused" (the
         exchange inside kernels, `exchange` ignored; the rows come with their routing weights).
       recompute: with "fused", how the backward recomputes gate and up (`ops.Recompute`).
+      exchange_tile: with "fused", rows per tile of the receive buffer (`MoEConfig`).
     """
 
     axis: str | None
@@ -67,6 +68,7 @@ class RoutedSpec:
     dtype: np.dtype
     kernel: Literal["xla", "pallas", "fused"] = "xla"
     recompute: str = "gmm"
+    exchange_tile: int = 64
 
 
 def _me(spec: RoutedSpec) -> Array:
@@ -146,7 +148,7 @@ def _fused_round(r, rows, weights, t: exchange.Traffic, spec: RoutedSpec) -> Arr
     from pallas_kernels.grouped_matmul import ops as grouped_ops
 
     x_nd, scale_n = rows
-    me, window, tile = _me(spec), spec.buffer_rows, spec.row_tile
+    me, window, tile = _me(spec), spec.buffer_rows, spec.exchange_tile
     num_rows = x_nd.shape[0]
     slots = exchange_protocol.num_tiles(window, tile, spec.num_local) * tile
     dispatch, back = exchange_protocol.exchange_moves(t, me, r, num_rows, window, tile)
@@ -186,7 +188,7 @@ def _plan_rounds(t: exchange.Traffic, num_rows: int, spec: RoutedSpec):
     """(round function, rounds, round of each row) for this exchange."""
     me = _me(spec)
     if spec.kernel == "fused":
-        places = exchange_protocol.row_places(t, me, num_rows, spec.buffer_rows, spec.row_tile)
+        places = exchange_protocol.row_places(t, me, num_rows, spec.buffer_rows, spec.exchange_tile)
         return _fused_round, exchange.window_rounds(t, spec.buffer_rows), places.round_n
     dest_n = _dest_of_rows(t, me, num_rows)
     if spec.exchange == "ring" and spec.axis is not None:

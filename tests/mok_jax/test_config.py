@@ -65,6 +65,7 @@ def test_dtype_forms(dtype):
         (dict(num_shared_experts=-1), r"num_shared_experts=-1 must be >= 0"),
         (dict(token_chunk=4), r"token_chunk=4 must be >= 8"),
         (dict(token_chunk=12), r"token_chunk=12 must be a multiple of 8"),
+        (dict(exchange_tile=0), r"exchange_tile=0 must be >= 1"),
         (dict(fused_rows="both"), r"fused_rows='both' must be one of"),
         (dict(fused_residuals="h"), r"fused_residuals='h' must be one of"),
         (dict(fused_recompute="xla"), r"fused_recompute='xla' must be one of"),

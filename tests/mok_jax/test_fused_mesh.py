@@ -37,7 +37,8 @@ from tests.mok_jax.test_pallas_mesh import (
 )
 
 # Small enough for interpret mode: 8 experts, top-2, 8-row tiles (D = F = 64); a window of a
-# quarter of the balanced load, so the exchange takes several rounds.
+# quarter of the balanced load, so the exchange takes several rounds, and an exchange tile of 4
+# rows, so an expert's rows of a round span several tiles.
 QWEN3 = dataclasses.replace(
     SCALED_PRESETS["qwen3_30b_a3b"],
     implementation="fused",
@@ -45,6 +46,7 @@ QWEN3 = dataclasses.replace(
     top_k=2,
     row_tile=8,
     buffer_factor=0.25,
+    exchange_tile=4,
 )
 NUM_TOKENS = 32
 
@@ -67,17 +69,17 @@ def assert_fused_matches_one_device(result, base, dtype):
 
 
 def test_two_devices_equal_one():
-    """EP 2 in several rounds, then 2 devices on the data axis (EP 1: the exchange's copies go
-    to the device itself)."""
+    """EP 2 in several rounds, with two exchange tiles; then 2 devices on the data axis (EP 1:
+    the exchange's copies go to the device itself)."""
     x, params, cotangent = random_inputs(QWEN3, NUM_TOKENS, 0)
     base = one_device(QWEN3, 0)
+    ep2 = make_mesh("expert", devices=jax.devices()[:2])
+    dp2 = make_mesh("data_expert", data=2, devices=jax.devices()[:2])
     with gpu_interpret_on_several_devices():
-        for mesh, min_rounds in (
-            (make_mesh("expert", devices=jax.devices()[:2]), 2),
-            (make_mesh("data_expert", data=2, devices=jax.devices()[:2]), 2),
-        ):
-            result = value_and_grads(x, params, cotangent, QWEN3, mesh)
-            assert int(result[0][1][1].rounds) >= min_rounds
+        for mesh, cfg in ((ep2, QWEN3), (ep2, with_impl(QWEN3, "fused", exchange_tile=3)),
+                          (dp2, QWEN3)):  # fmt: skip
+            result = value_and_grads(x, params, cotangent, cfg, mesh)
+            assert int(result[0][1][1].rounds) >= 2
             assert_fused_matches_one_device(result, base, QWEN3.dtype)
 
 
