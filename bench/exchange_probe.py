@@ -204,6 +204,7 @@ def _layer(tiles: tuple[int, ...]) -> dict:
         (y, aux), record[f"{name}_fwd_ms"] = timed(fwd, x, params)
         (dx, _), record[f"{name}_fwd_bwd_ms"] = timed(grad, x, params)
         record[f"{name}_rounds"] = int(aux.rounds)
+        print(json.dumps({"partial": True, **record}), flush=True)
         if outs:  # y and dx the bits of the run without a mesh
             record["ok"] &= bool(jnp.all(y == outs["y"])) and bool(jnp.all(dx == outs["dx"]))
         else:
@@ -240,8 +241,11 @@ def main() -> None:
             record = json.loads(lines[-1]) if lines else {"probe": name, "ok": False}
             record["returncode"] = done.returncode
             record["stderr_tail"] = done.stderr[-3000:]
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired as e:
+            out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+            lines = [ln for ln in out.splitlines() if ln.startswith("{")]
             record = {"probe": name, "ok": False, "hung": True, "timeout_s": args.timeout}
+            record["last_partial"] = json.loads(lines[-1]) if lines else None
         print(json.dumps({k: v for k, v in record.items() if k != "stderr_tail"}), flush=True)
         records.append(record)
     with open(args.out, "w") as f:
