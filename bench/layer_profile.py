@@ -4,6 +4,8 @@
         [--implementations pallas,fused] [--products forward,fwd_bwd] [--iters 3]
         [--token-chunks 512,2048] [--no-command-buffers]
 
+An implementation suffixed "_mesh1" (e.g. fused_mesh1) runs under a 1-device mesh.
+
 For each shape, implementation and product (the forward, or the forward and backward of
 sum(y * cotangent), as in bench/fused_probe.py), after warm-up, records `iters` calls under
 jax.profiler, reads the device's kernel events back from the trace (jax.profiler.ProfileData)
@@ -41,9 +43,12 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from mok_jax import init_params, moe, presets, scale_down
+from mok_jax import init_params, make_mesh, moe, presets, scale_down
 
-STAGES = ("route", "plan", "dispatch", "experts", "combine", "aux")
+STAGES = ("route", "plan", "dispatch", "experts", "return", "combine", "aux")
+# An implementation name with this suffix runs under a 1-device mesh ("fused_mesh1": the
+# in-kernel exchange's kernels, copying to the device itself).
+MESH1 = "_mesh1"
 OTHER = "other"
 # (preset, tokens T) of issue 5's layer benchmark; E, k, D, F from the preset.
 SHAPES = {
@@ -141,6 +146,10 @@ def profile_calls(fn: Callable, args: Sequence, *, iters: int, warmup: int = 2) 
 
 
 def _layer(name: str, implementation: str, product: str, token_chunk: int | None = None):
+    mesh = None
+    if implementation.endswith(MESH1):
+        implementation = implementation.removesuffix(MESH1)
+        mesh = make_mesh("expert", devices=jax.devices()[:1])
     preset, tokens, experts = SHAPES[name]
     cfg = presets[preset]
     if name == "tiny":
@@ -156,11 +165,11 @@ def _layer(name: str, implementation: str, product: str, token_chunk: int | None
     params = init_params(keys[2], cfg, dtype=jnp.bfloat16)
 
     def forward(x, params):
-        return moe(x, params, cfg)[0]
+        return moe(x, params, cfg, mesh=mesh)[0]
 
     def fwd_bwd(x, params):
         def loss(x, params):
-            y, aux = moe(x, params, cfg)
+            y, aux = moe(x, params, cfg, mesh=mesh)
             return jnp.sum(y.astype(jnp.float32) * cotangent) + aux.aux_loss
 
         return jax.value_and_grad(loss, argnums=(0, 1))(x, params)

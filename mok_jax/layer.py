@@ -2,9 +2,9 @@
 
 The `xla` implementation runs the same stages on one device and on every device of a mesh
 (inside `jax.shard_map`, on that device's tokens and experts), each under `jax.named_scope`
-(`pallas` is the same stages with the Mosaic GPU grouped GEMMs in the experts stage; `fused`,
-on one device, merges dispatch and the routing weights into the kernels, see
-`_fused_experts`):
+(`pallas` is the same stages with the Mosaic GPU grouped GEMMs in the experts stage; `fused`
+merges dispatch and the routing weights into the kernels, see `_fused_experts`, and under a
+mesh moves the rows inside kernels too, see `_fused_exchange`):
 
   route     logits, scores, top-k experts and weights                 [T, D] -> [T, K]
   plan      stable sort of the N = T*K rows by expert; global counts  [T, K] -> Plan
@@ -117,7 +117,6 @@ def _experts(
 ):
     """Dispatch to the experts' devices, the expert GEMMs and the return, in rounds (`fused`:
     with the rows' routing weights scale_n, inside kernels)."""
-    kernels = {"pallas": "pallas", "fused": "fused"}
     spec = RoutedSpec(
         axis=axes.expert,
         rounds_axes=axes.tokens,
@@ -127,7 +126,7 @@ def _experts(
         buffer_rows=_buffer_rows(x_nd.shape[0], cfg, axes),
         row_tile=cfg.row_tile,
         dtype=cfg.dtype,
-        kernel=kernels.get(cfg.implementation, "xla"),
+        kernel=cfg.implementation if cfg.implementation in ("pallas", "fused") else "xla",
         recompute=cfg.fused_recompute,
         exchange_tile=cfg.exchange_tile,
     )

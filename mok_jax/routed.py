@@ -222,6 +222,8 @@ def routed_experts(
     """
     if (scale_n is not None) != (spec.kernel == "fused"):
         raise ValueError(f"scale_n must be given with kernel 'fused' only (kernel={spec.kernel!r})")
+    if spec.kernel == "fused" and spec.axis is None:
+        raise ValueError("kernel 'fused' exchanges along a mesh axis: spec.axis must be set")
     t = _counts(group_sizes_e, spec)
     _, rounds, _ = _plan_rounds(t, x_nd.shape[0], spec)
     rounds = _agreed(rounds, spec)
