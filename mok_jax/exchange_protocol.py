@@ -262,7 +262,9 @@ def exchange_moves(
     """Device `me`'s copies in round r: (dispatch, back).
 
     dispatch: its pieces (sorted rows -> the receivers' buffer slots), counted on the
-    receiver's tile (arrivals: `tile_arrivals`, the pieces each of its own tiles gets).
+    receiver's tile (arrivals: `tile_arrivals`, the pieces each of its own tiles gets); its
+    zero ranges are its own buffer's padding (each local expert's last tile past its rows), so
+    that the grouped GEMMs read zeros there, forward and backward.
     back: the return, which is also the dispatch's gradient: every piece it receives in round
     r, from its buffer slots back to the source's rows, counted on the source's one counter
     (arrivals: its own pieces of the round, each of which comes back once). The return's
@@ -272,6 +274,9 @@ def exchange_moves(
     from pallas_kernels.exchange.moves import Moves
 
     num_devices = t.counts_se.shape[0]
+    lo_g, hi_g, tile_start_g = _round_runs(t, me, round_index, window, tile)
+    length_g = hi_g - lo_g
+    pad_g = (-length_g) % tile
     mine = pieces(row_places(t, me, num_rows, window, tile), tile)
     real_p = jnp.arange(num_rows) < mine.count
     dispatch = Moves(
@@ -283,6 +288,8 @@ def exchange_moves(
         counter_p=mine.tile_p,
         count=mine.count,
         arrivals_c=tile_arrivals(t, me, round_index, window, tile),
+        zero_dst_z=(tile_start_g * tile + length_g).astype(jnp.int32),
+        zero_size_z=pad_g.astype(jnp.int32),
     )
     sources = jnp.arange(num_devices, dtype=jnp.int32)
     every = jax.vmap(lambda s: pieces(row_places(t, s, num_rows, window, tile), tile))(sources)
@@ -305,5 +312,7 @@ def exchange_moves(
         counter_p=jnp.zeros_like(order),
         count=count,
         arrivals_c=jnp.sum(real_p & (mine.round_p == round_index), dtype=jnp.int32)[None],
+        zero_dst_z=jnp.zeros((1,), jnp.int32),
+        zero_size_z=jnp.zeros((1,), jnp.int32),
     )
     return dispatch, back

@@ -143,7 +143,7 @@ def _ring_round(r, x_nd, weights, t: exchange.Traffic, spec: RoutedSpec) -> Arra
 
 def _fused_round(r, rows, weights, t: exchange.Traffic, spec: RoutedSpec) -> Array:
     """Round r with the exchange inside kernels: rows (x [N, D], routing weights f32 [N]) ->
-    weighted results f32 [N, D], zero off the rows of round r."""
+    weighted results f32 [N, D] on the rows of round r (the other rows unspecified)."""
     from pallas_kernels.exchange import ops as exchange_ops
     from pallas_kernels.grouped_matmul import ops as grouped_ops
 
@@ -152,17 +152,16 @@ def _fused_round(r, rows, weights, t: exchange.Traffic, spec: RoutedSpec) -> Arr
     num_rows = x_nd.shape[0]
     slots = exchange_protocol.num_tiles(window, tile, spec.num_local) * tile
     dispatch, back = exchange_protocol.exchange_moves(t, me, r, num_rows, window, tile)
-    group_sizes_g, filled_s = exchange_protocol.buffer_layout(t, me, r, window, tile)
+    group_sizes_g, _ = exchange_protocol.buffer_layout(t, me, r, window, tile)
     # The weights as a 16-byte column (a copy moves whole 16-byte chunks); a concatenate, not
     # a broadcast, so that the weights' gradient is the first column's, bit for bit.
     scale_n4 = jnp.concatenate([scale_n[:, None], jnp.zeros((num_rows, 3), jnp.float32)], 1)
+    # The buffer's padding (an expert's last tile past its rows) comes out of the kernel as
+    # zeros, and so does the results' cotangent there (the dispatch's zero ranges): zero rows
+    # add nothing to the weights' gradients. Slots past the groups are never read.
     with jax.named_scope("dispatch"):
         x_sd = exchange_ops.send_rows(x_nd, dispatch, back, r, slots, spec.axis)
-        scale_s4 = exchange_ops.send_rows(scale_n4, dispatch, back, r, slots, spec.axis)
-    # Slots no row fills (the tiles' padding) are unspecified after the kernel: zero rows,
-    # which add nothing to the weights' gradients.
-    x_sd = jnp.where(filled_s[:, None], x_sd, jnp.zeros((), x_sd.dtype))
-    scale_s = jnp.where(filled_s, scale_s4[:, 0], 0.0)
+        scale_s = exchange_ops.send_rows(scale_n4, dispatch, back, r, slots, spec.axis)[:, 0]
     with jax.named_scope("experts"):
         y_sd = grouped_ops.swiglu_mlp(
             x_sd,
@@ -172,10 +171,9 @@ def _fused_round(r, rows, weights, t: exchange.Traffic, spec: RoutedSpec) -> Arr
             recompute=spec.recompute,
             interpret=jax.default_backend() == "cpu",
         )
+    # Rows of other rounds are unspecified: `_rounds` keeps each row's own round.
     with jax.named_scope("return"):
-        y_nd = exchange_ops.send_rows(y_sd, back, dispatch, r, num_rows, spec.axis)
-    places = exchange_protocol.row_places(t, me, num_rows, window, tile)
-    return jnp.where((places.round_n == r)[:, None], y_nd, 0.0)
+        return exchange_ops.send_rows(y_sd, back, dispatch, r, num_rows, spec.axis)
 
 
 def _dest_of_rows(t: exchange.Traffic, me: Array, num_rows: int) -> Array:

@@ -20,7 +20,8 @@ Invariants:
   2. A copy's signal follows its rows: the kernel waits for the copy's stores to complete
      before the release-ordered signal.
   3. A device's kernel returns only after each of its counters c has counted `arrivals_c[c]`
-     signals (block 0 waits), the copies the protocol sends there: every row has landed.
+     signals (block c % blocks waits), the copies the protocol sends there: every row has
+     landed. Its zero ranges are stored (and waited for) by its own blocks before they return.
   4. No device writes into a peer's buffer before that peer has entered the kernel: the
      custom call's device barrier at launch (Mosaic GPU's default, `skip_device_barrier` is
      not set). The counters (`pl.get_global`: one set for the kernel) are a slice of
@@ -61,32 +62,9 @@ def stage_rows(d_model: int, itemsize: int) -> int:
     return rows
 
 
-def copy_piece(src_ref, dst_ref, src_row, dst_row, size, stage_smem, loaded) -> None:
-    """Rows [src_row, + size) of src_ref to rows [dst_row, + size) of dst_ref (a peer's array
-    through `plgpu.remote_ref`, or this device's) through stage_smem [B, D] (B a power of
-    two): boxes of B whole rows, then one box a set bit of the rest (B/2, ..., 1), each loaded
-    and then stored; returns once the stores have completed (invariant 2).
-
-    Whole rows keep every box contiguous in memory, so Mosaic GPU moves it with a bulk copy
-    whose remote address is computed on the device from the peer's id: a strided box (a
-    column chunk of several rows) would need a tensor map built on the host, which cannot
-    know a peer read from a table."""
-    box = stage_smem.shape[0]
-
-    def move(offset, rows: int):
-        stage = stage_smem if rows == box else stage_smem.at[pl.ds(0, rows)]
-        plgpu.copy_gmem_to_smem(
-            src_ref.at[pl.ds(src_row + offset, rows)],
-            stage,
-            loaded,
-            # In bounds by the protocol: the plain bulk copy, not a tensor map (see above).
-            oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS,
-        )
-        plgpu.barrier_wait(loaded)
-        plgpu.copy_smem_to_gmem(stage, dst_ref.at[pl.ds(dst_row + offset, rows)])
-        # The stage is read before the next load overwrites it.
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
+def _in_boxes(size, box: int, move) -> None:
+    """move(offset, rows) over [0, size) in boxes: B = `box` rows (a power of two) at a time,
+    then one box a set bit of the rest (B/2, ..., 1); rows static, offset traced."""
     full = size // box
 
     @pl.loop(0, full)
@@ -102,6 +80,49 @@ def copy_piece(src_ref, dst_ref, src_row, dst_row, size, stage_smem, loaded) -> 
             move(full * box + (rest & ~(2 * rows - 1)), rows)
 
         rows //= 2
+
+
+def _stage(stage_smem, rows: int):
+    return stage_smem if rows == stage_smem.shape[0] else stage_smem.at[pl.ds(0, rows)]
+
+
+def copy_piece(src_ref, dst_ref, src_row, dst_row, size, stage_smem, loaded) -> None:
+    """Rows [src_row, + size) of src_ref to rows [dst_row, + size) of dst_ref (a peer's array
+    through `plgpu.remote_ref`, or this device's) through stage_smem [B, D] (B a power of
+    two), in boxes (`_in_boxes`), each loaded and then stored; returns once the stores have
+    completed (invariant 2).
+
+    Whole rows keep every box contiguous in memory, so Mosaic GPU moves it with a bulk copy
+    whose remote address is computed on the device from the peer's id: a strided box (a
+    column chunk of several rows) would need a tensor map built on the host, which cannot
+    know a peer read from a table."""
+
+    def move(offset, rows: int):
+        stage = _stage(stage_smem, rows)
+        plgpu.copy_gmem_to_smem(
+            src_ref.at[pl.ds(src_row + offset, rows)],
+            stage,
+            loaded,
+            # In bounds by the protocol: the plain bulk copy, not a tensor map (see above).
+            oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS,
+        )
+        plgpu.barrier_wait(loaded)
+        plgpu.copy_smem_to_gmem(stage, dst_ref.at[pl.ds(dst_row + offset, rows)])
+        # The stage is read before the next load overwrites it.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    _in_boxes(size, stage_smem.shape[0], move)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+
+
+def zero_rows(out_ref, dst_row, size, zeros_smem) -> None:
+    """Rows [dst_row, + size) of out_ref (this device's) set to zero from zeros_smem [B, D]
+    (already zero and committed), in boxes; returns once the stores have completed."""
+
+    def store(offset, rows: int):
+        plgpu.copy_smem_to_gmem(_stage(zeros_smem, rows), out_ref.at[pl.ds(dst_row + offset, rows)])
+
+    _in_boxes(size, zeros_smem.shape[0], store)
     plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 
 
@@ -115,6 +136,8 @@ def _send_rows_kernel(
     counter_p_ref,
     count_ref,
     arrivals_ref,
+    zero_dst_ref,
+    zero_size_ref,
     round_ref,
     out_ref,
     stage_smem,
@@ -122,6 +145,7 @@ def _send_rows_kernel(
     *,
     num_blocks: int,
     num_counters: int,
+    num_zeros: int,
     axis_name: str,
     local: bool,
 ):
@@ -130,6 +154,17 @@ def _send_rows_kernel(
     # One semaphore a counter for the whole kernel (and, through the peers' copies, for every
     # device): a scratch semaphore would be one per block, so block 0 would count only its own.
     counters = pl.get_global(plgpu.SemaphoreType.REGULAR((num_counters,)))
+
+    # 0. This device's zero ranges (rows no copy lands in, disjoint from the copies' rows),
+    #    range z by block z % num_blocks, from the stage filled with zeros.
+    @pl.when(block < num_zeros)
+    def _zeros():
+        stage_smem[...] = jnp.zeros(stage_smem.shape, stage_smem.dtype)
+        plgpu.commit_smem()
+
+        @pl.loop(block, num_zeros, step=num_blocks)
+        def _zero(z):
+            zero_rows(out_ref, zero_dst_ref[z], zero_size_ref[z], stage_smem)
 
     # 1. This device's copies of the round, copy p by block p % num_blocks.
     @pl.loop(block, count_ref[0], step=num_blocks)
@@ -147,12 +182,11 @@ def _send_rows_kernel(
             sem = counters.at[counter_p_ref[p]]
             pl.semaphore_signal(sem) if local else pl.semaphore_signal(sem, device_id=peer)
 
-    # 3. Block 0 returns once every counter of this device has its copies.
-    @pl.when(block == 0)
-    def _wait():
-        @pl.loop(0, num_counters)
-        def _counter(c):
-            pl.semaphore_wait(counters.at[c], arrivals_ref[c])
+    # 3. The kernel returns once every counter of this device has its copies: counter c is
+    #    waited for by block c % num_blocks.
+    @pl.loop(block, num_counters, step=num_blocks)
+    def _counter(c):
+        pl.semaphore_wait(counters.at[c], arrivals_ref[c])
 
 
 def send_rows(
@@ -165,8 +199,8 @@ def send_rows(
     num_blocks: int | None = None,
 ) -> Array:
     """This device's output [out_rows, D] of round `round_index`: the rows its peers' `moves`
-    (and its own) copy here. Call inside `jax.shard_map` over the exchange's mesh axis; rows
-    no copy fills are unspecified.
+    (and its own) copy here, and zeros in its own zero ranges. Call inside `jax.shard_map` over
+    the exchange's mesh axis; other rows are unspecified.
 
     src_ad [A, D] (a row a multiple of 16 bytes, at most STAGE_BYTES) is this device's
     array; moves its copies (`Moves`);
@@ -182,6 +216,7 @@ def send_rows(
         _send_rows_kernel,
         num_blocks=num_blocks,
         num_counters=moves.arrivals_c.shape[0],
+        num_zeros=moves.zero_dst_z.shape[0],
         axis_name=axis_name,
         local=lax.axis_size(axis_name) == 1,
     )
@@ -203,6 +238,8 @@ def send_rows(
         *tables,
         moves.count.reshape(1),
         moves.arrivals_c,
+        moves.zero_dst_z,
+        moves.zero_size_z,
         jnp.asarray(round_index, jnp.int32).reshape(1),
     )
     # The kernel's output type drops the mesh axes it varies over: state them again.

@@ -21,6 +21,8 @@ from jax.tree_util import register_dataclass
         "counter_p",
         "count",
         "arrivals_c",
+        "zero_dst_z",
+        "zero_size_z",
     ],
     meta_fields=[],
 )
@@ -31,9 +33,11 @@ class Moves:
     [dst_p[p], + size_p[p]) of device peer_p[p]'s output (its index along the exchange's mesh
     axis), and count once on that device's counter counter_p[p]. arrivals_c (int32 [C]) is the
     copies each of this device's C counters gets in the round being run: the device's output
-    is complete once every counter has counted them.
+    is complete once every counter has counted them. zero_dst_z, zero_size_z (int32 [Z], Z >= 1,
+    size 0 for none): rows [zero_dst_z[z], + zero_size_z[z]) of this device's own output are
+    set to zero in the round (rows no copy lands in: a buffer's padding).
 
-    Built by the protocol (`mok_jax.exchange_protocol.round_moves`), which also guarantees that
+    Built by the protocol (`mok_jax.exchange_protocol.exchange_moves`), which also guarantees that
     the destination rows of one round are distinct on every device.
     """
 
@@ -45,9 +49,12 @@ class Moves:
     counter_p: Array
     count: Array
     arrivals_c: Array
+    zero_dst_z: Array
+    zero_size_z: Array
 
     def check(self) -> None:
-        """Raises ValueError unless the tables are int32, [P] each, count [] and arrivals [C]."""
+        """Raises ValueError unless the tables are int32: [P] each, count [], arrivals [C], the
+        zero ranges [Z] each."""
         tables = (self.src_p, self.dst_p, self.size_p, self.peer_p, self.round_p, self.counter_p)
         if any(a.ndim != 1 or a.shape != self.src_p.shape for a in tables):
             raise ValueError("the move tables must be of one shape [P]")
@@ -56,5 +63,9 @@ class Moves:
                 f"count must be [] and arrivals_c [C]; got {self.count.shape} and "
                 f"{self.arrivals_c.shape}"
             )
-        if any(a.dtype != jnp.int32 for a in (*tables, self.count, self.arrivals_c)):
+        zeros = (self.zero_dst_z, self.zero_size_z)
+        if any(a.ndim != 1 or a.shape != self.zero_dst_z.shape or a.shape[0] < 1 for a in zeros):
+            raise ValueError("the zero ranges must be of one shape [Z], Z >= 1")
+        scalars = (self.count, self.arrivals_c, *zeros)
+        if any(a.dtype != jnp.int32 for a in (*tables, *scalars)):
             raise ValueError("the move tables must be int32")

@@ -13,9 +13,10 @@ from pallas_kernels.exchange.moves import Moves
 def send_rows(
     src_ad: Array, moves: Moves, round_index: Array, *, out_rows: int, axis_name: str
 ) -> Array:
-    """This device's output [out_rows, D] of round `round_index` (zeros where no copy lands):
-    `mosaic_gpu.send_rows`'s contract, with all_gathers. Output row o comes from the one copy
-    of the round whose destination rows [dst, dst + size) on this device hold o."""
+    """This device's output [out_rows, D] of round `round_index` (zeros where no copy lands,
+    which covers the zero ranges): `mosaic_gpu.send_rows`'s contract, with all_gathers.
+    Output row o comes from the one copy of the round whose destination rows [dst, dst + size)
+    on this device hold o."""
     moves.check()
     me = lax.axis_index(axis_name)
     gather = lambda a: lax.all_gather(a, axis_name)  # noqa: E731

@@ -95,7 +95,9 @@ def test_dispatch_lowers_for_cuda_inside_shard_map_on_8_devices():
 def test_bad_tables_raise():
     x = jnp.zeros((8, 128), jnp.bfloat16)
     table = jnp.zeros((8,), jnp.int32)
-    good = Moves(*(table,) * 6, count=jnp.int32(1), arrivals_c=jnp.zeros(4, jnp.int32))
+    zeros = jnp.zeros((2,), jnp.int32)
+    good = Moves(*(table,) * 6, count=jnp.int32(1), arrivals_c=jnp.zeros(4, jnp.int32),
+                 zero_dst_z=zeros, zero_size_z=zeros)  # fmt: skip
     send = functools.partial(mosaic_gpu.send_rows, out_rows=16, axis_name=AXIS, num_blocks=2)
     with pytest.raises(ValueError, match="of one shape"):
         send(x, dataclasses.replace(good, dst_p=jnp.zeros((7,), jnp.int32)), 0)
@@ -103,6 +105,8 @@ def test_bad_tables_raise():
         send(x, dataclasses.replace(good, count=jnp.zeros((1,), jnp.int32)), 0)
     with pytest.raises(ValueError, match="must be int32"):
         send(x, dataclasses.replace(good, size_p=table.astype(jnp.float32)), 0)
+    with pytest.raises(ValueError, match="zero ranges"):
+        send(x, dataclasses.replace(good, zero_size_z=jnp.zeros((3,), jnp.int32)), 0)
     with pytest.raises(ValueError, match="multiple of 16"):
         send(jnp.zeros((8, 6), jnp.bfloat16), good, 0)
     with pytest.raises(ValueError, match="exceeds"):
@@ -238,6 +242,37 @@ def test_copy_piece_moves_every_size_in_interpret_mode():
     np.testing.assert_array_equal(got[: int(sizes.sum())], want)
 
 
+def test_zero_rows_in_interpret_mode():
+    """`zero_rows` from a stage of 4 rows set to zero: ranges of 0 to 9 rows become zeros, and
+    no other row changes."""
+    sizes = np.arange(10, dtype=np.int32)
+    dst = (np.concatenate([[0], np.cumsum(sizes + 1)[:-1]])).astype(np.int32)  # a gap each
+    out_rows = int(dst[-1] + sizes[-1] + 1)
+    x = np.arange(out_rows * 8, dtype=np.float32).reshape(out_rows, 8) + 1
+
+    def zeros(x_ref, dst_ref, size_ref, out_ref, stage_smem):
+        out_ref[...] = x_ref[...]
+        stage_smem[...] = jnp.zeros(stage_smem.shape, stage_smem.dtype)
+        plgpu.commit_smem()
+
+        @pl.loop(0, sizes.size)
+        def _range(z):
+            mosaic_gpu.zero_rows(out_ref, dst_ref[z], size_ref[z], stage_smem)
+
+    run = plgpu.kernel(
+        zeros,
+        out_type=jax.ShapeDtypeStruct((out_rows, 8), jnp.float32),
+        scratch_types=[plgpu.SMEM((4, 8), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=plgpu.InterpretGPUParams(),
+    )
+    got = np.asarray(run(x, dst, sizes))
+    want = x.copy()
+    for a, n in zip(dst, sizes, strict=True):
+        want[a : a + n] = 0
+    np.testing.assert_array_equal(got, want)
+
+
 def test_stage_rows():
     assert mosaic_gpu.stage_rows(256, 2) == 64  # 32 KiB
     assert mosaic_gpu.stage_rows(2048, 2) == 16  # 64 KiB
@@ -266,14 +301,19 @@ def test_gpu_dispatch_and_return_place_every_row(num_local, num_rows, window, ti
     specs = dict(mesh=mesh, in_specs=(P(AXIS), P(), P()), out_specs=(P(AXIS),) * 2)
     kernel, slots = dispatch_fn(num_local, num_rows, window, tile, kernel=True)
     kernel = jax.jit(jax.shard_map(kernel, **specs))
+    t = exchange.traffic(jnp.asarray(counts_se), num_local)
     for r in range(rounds):
         buf, back = (np.asarray(a) for a in kernel(*placed(mesh, x, counts_se, r)))
-        # Slots no piece fills are unspecified in the kernel's buffer: compare the filled ones.
-        mask = filled[:, r]
+        # The groups' slots: the rows as planned, zeros in each group's padding (the dispatch's
+        # zero ranges); slots past the groups are unspecified.
+        group_sizes = [
+            xp.buffer_layout(t, jnp.int32(d), r, window, tile)[0] for d in range(num_devices)
+        ]
+        mask = np.arange(slots)[None] < np.sum(group_sizes, axis=1)[:, None]
+        assert np.sum(mask) > np.sum(filled[:, r])  # some padding
         np.testing.assert_array_equal(buf.reshape(num_devices, slots, -1)[mask], want[:, r][mask])
         # The return: every row of the round back in place (the others are unspecified).
         rows = planned_returns(counts_se, x_snd, num_local, window, tile, r)
-        t = exchange.traffic(jnp.asarray(counts_se), num_local)
         for s in range(num_devices):
             mine = np.asarray(xp.row_places(t, jnp.int32(s), num_rows, window, tile).round_n) == r
             got = back.reshape(num_devices, num_rows, -1)[s][mine]
