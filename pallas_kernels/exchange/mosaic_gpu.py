@@ -9,10 +9,10 @@ own positions, one counter) are both this kernel, with the two directions' table
 Status (2026-12-01): correct on the H200 with a 1-device mesh (the copies go to the device
 itself; bench/results/2026-12-01_exchange_dispatch_h200_s11/), and it lowers for CUDA inside
 shard_map on 8 devices (CI). Not yet run across GPUs (the multi-GPU issue). Rows move through
-shared memory in boxes of whole rows (up to 64 KiB), one load and one store in flight a block.
-(The first version moved one 256-column chunk of one row a box: 39 GB/s for a 12 MB round on
-the H200.) No GEMM runs in the kernel yet: the experts read the buffer after it returns;
-fusing the tile waits into the grouped GEMM's producer comes next.
+shared memory in boxes of whole rows (up to 64 KiB), one load and one store in flight a block;
+at qwen3_30b_a3b (4096 tokens) `fused` on a 1-device mesh, three of these kernels a forward,
+took 2.82 ms against 2.75 without a mesh. No GEMM runs in the kernel yet: the experts read the
+buffer after it returns; fusing the tile waits into the grouped GEMM's producer comes next.
 
 Invariants:
   1. Each output row is written by one copy, once a round (the protocol's destinations are
