@@ -135,6 +135,60 @@ def test_pieces_are_the_runs_of_rows_in_one_tile(case):
         assert (got.size_p[count:] == 0).all() and (got.dest_p[count:] == -1).all()
 
 
+@given(protocol_cases())
+def test_exchange_moves_go_there_and_back_and_zero_the_padding(case):
+    """`exchange_moves` against the row places, per device and round: the dispatch's copies are
+    the device's pieces; the return's copies to a source are exactly its pieces of the round,
+    reversed (slot -> row), counted once each; each receiver's groups (`buffer_layout`) hold
+    its expert runs, every group slot is either filled by a row or in a zero range, never
+    both."""
+    counts_se, _, num_rows, window, tile = case
+    num_devices = counts_se.shape[0]
+    t, places = all_places(*case)
+    rounds = int(exchange.window_rounds(t, window))
+    for r in range(rounds):
+        returned = {s: [] for s in range(num_devices)}
+        for d in range(num_devices):
+            moves = xp.exchange_moves(t, jnp.int32(d), jnp.int32(r), num_rows, window, tile)
+            dispatch, back = jax.tree.map(np.asarray, moves)
+            mine = jax.tree.map(np.asarray, xp.pieces(xp.row_places(
+                t, jnp.int32(d), num_rows, window, tile), tile))  # fmt: skip
+            np.testing.assert_array_equal(dispatch.src_p, mine.row_p)
+            np.testing.assert_array_equal(dispatch.dst_p, mine.slot_p)
+            np.testing.assert_array_equal(dispatch.counter_p, mine.tile_p)
+            for i in range(int(back.count)):
+                returned[int(back.peer_p[i])].append(
+                    (d, int(back.src_p[i]), int(back.dst_p[i]), int(back.size_p[i]))
+                )
+            assert (back.size_p[int(back.count) :] == 0).all()
+            # The receiver's buffer: filled slots and zero ranges tile its groups exactly.
+            sizes_g, filled_s = (np.asarray(a) for a in xp.buffer_layout(
+                t, jnp.int32(d), jnp.int32(r), window, tile))  # fmt: skip
+            assert (sizes_g % tile == 0).all()
+            planned = np.zeros_like(filled_s)
+            for p in places:
+                planned[p["slot_n"][(p["dest_n"] == d) & (p["round_n"] == r)]] = True
+            np.testing.assert_array_equal(filled_s, planned)
+            zeroed = np.zeros_like(filled_s)
+            for a, n in zip(dispatch.zero_dst_z, dispatch.zero_size_z, strict=True):
+                assert not zeroed[a : a + n].any() and not filled_s[a : a + n].any()
+                zeroed[a : a + n] = True
+            in_groups = np.arange(filled_s.size) < sizes_g.sum()
+            np.testing.assert_array_equal(filled_s | zeroed, in_groups)
+        for s in range(num_devices):
+            sent = jax.tree.map(np.asarray, xp.pieces(xp.row_places(
+                t, jnp.int32(s), num_rows, window, tile), tile))  # fmt: skip
+            want = sorted(
+                (int(sent.dest_p[i]), int(sent.slot_p[i]), int(sent.row_p[i]),
+                 int(sent.size_p[i]))
+                for i in range(int(sent.count)) if sent.round_p[i] == r
+            )  # fmt: skip
+            assert sorted(returned[s]) == want
+            # Each returning piece counts once on the source's one counter.
+            _, back_s = xp.exchange_moves(t, jnp.int32(s), jnp.int32(r), num_rows, window, tile)
+            assert np.asarray(back_s.arrivals_c).tolist() == [len(want)]
+
+
 def test_the_tables_trace_under_jit_with_traced_device_and_round():
     counts_se = np.array([[3, 0, 5, 2], [1, 4, 0, 6]], np.int32)
     t = exchange.traffic(jnp.asarray(counts_se), 2)
