@@ -155,8 +155,9 @@ class MoEConfig:
         exchange's receive buffer: each local expert's rows of a round start on a tile
         boundary (the grouped GEMMs also compute the padding, fewer than exchange_tile rows an
         expert a round) and a receiver counts its rows' arrival tile by tile (the grain at
-        which the GEMMs can start on arrived rows, once overlapped). y and dx are the same bits
-        for every value.
+        which the GEMMs can start on arrived rows, once overlapped). y and dx do not depend on
+        it (a row's result does not depend on its tile): tested at 3 and 4 on the CPU and at
+        16, 64 and 128 on one H200.
       token_chunk: tokens per step of the token-wise stages (routing, combine, shared experts),
         which run in fixed-shape chunks of this many tokens (zero-padded, at least two) so that
         a token's bits do not depend on how many tokens a device holds; None: 8 * row_tile

@@ -256,29 +256,23 @@ def buffer_layout(
     return group_sizes_g.astype(jnp.int32), filled_s
 
 
-def exchange_moves(
-    t: Traffic, me: Array, round_index: Array, num_rows: int, window: int, tile: int
+def exchange_pieces(
+    t: Traffic, me: Array, num_rows: int, window: int, tile: int
 ) -> tuple[Moves, Moves]:
-    """Device `me`'s copies in round r: (dispatch, back).
+    """Device `me`'s copies of every round: (dispatch, back), each copy with its round. Their
+    counts of a round (arrivals, zero ranges) are `exchange_round`'s; here they are zeros.
 
     dispatch: its pieces (sorted rows -> the receivers' buffer slots), counted on the
-    receiver's tile (arrivals: `tile_arrivals`, the pieces each of its own tiles gets); its
-    zero ranges are its own buffer's padding (each local expert's last tile past its rows), so
-    that the grouped GEMMs read zeros there, forward and backward.
-    back: the return, which is also the dispatch's gradient: every piece it receives in round
-    r, from its buffer slots back to the source's rows, counted on the source's one counter
-    (arrivals: its own pieces of the round, each of which comes back once). The return's
-    tables are every source's pieces to `me` (from the counts alone, as everything here).
+    receiver's tile. back: the return, which is also the dispatch's gradient: every piece it
+    receives, from its buffer slots back to the source's rows, counted on the source's one
+    counter. The return's tables are every source's pieces to `me` (from the counts alone, as
+    everything here): EP sorts of N rows and one of EP * N pieces, once for all rounds.
     """
     # Imported here: the kernels' package loads only when the in-kernel exchange runs.
     from pallas_kernels.exchange.moves import Moves
 
     num_devices = t.counts_se.shape[0]
-    lo_g, hi_g, tile_start_g = _round_runs(t, me, round_index, window, tile)
-    length_g = hi_g - lo_g
-    pad_g = (-length_g) % tile
     mine = pieces(row_places(t, me, num_rows, window, tile), tile)
-    real_p = jnp.arange(num_rows) < mine.count
     dispatch = Moves(
         src_p=mine.row_p,
         dst_p=mine.slot_p,
@@ -287,32 +281,67 @@ def exchange_moves(
         round_p=mine.round_p,
         counter_p=mine.tile_p,
         count=mine.count,
-        arrivals_c=tile_arrivals(t, me, round_index, window, tile),
-        zero_dst_z=(tile_start_g * tile + length_g).astype(jnp.int32),
-        zero_size_z=pad_g.astype(jnp.int32),
+        arrivals_c=jnp.zeros((num_tiles(window, tile, t.num_local),), jnp.int32),
+        zero_dst_z=jnp.zeros((t.num_local + 1,), jnp.int32),
+        zero_size_z=jnp.zeros((t.num_local + 1,), jnp.int32),
     )
     sources = jnp.arange(num_devices, dtype=jnp.int32)
     every = jax.vmap(lambda s: pieces(row_places(t, s, num_rows, window, tile), tile))(sources)
     real_sp = jnp.arange(num_rows) < every.count[:, None]
-    to_me_sp = real_sp & (every.dest_p == me) & (every.round_p == round_index)
-    # This round's pieces to me first, in (source, row) order.
+    to_me_sp = real_sp & (every.dest_p == me)
+    # The pieces to me first, in (source, row) order.
     order = jnp.argsort(~to_me_sp.reshape(-1), stable=True).astype(jnp.int32)
     count = jnp.sum(to_me_sp, dtype=jnp.int32)
     real_c = jnp.arange(order.shape[0]) < count
 
-    def take(a_sp):
-        return jnp.where(real_c, a_sp.reshape(-1)[order], 0)
+    def take(a_sp, fill=0):
+        return jnp.where(real_c, a_sp.reshape(-1)[order], fill)
 
     back = Moves(
         src_p=take(every.slot_p),
         dst_p=take(every.row_p),
         size_p=take(every.size_p),
         peer_p=take(jnp.broadcast_to(sources[:, None], real_sp.shape)),
-        round_p=jnp.where(real_c, round_index, -1).astype(jnp.int32),
+        round_p=take(every.round_p, -1),
         counter_p=jnp.zeros_like(order),
         count=count,
-        arrivals_c=jnp.sum(real_p & (mine.round_p == round_index), dtype=jnp.int32)[None],
+        arrivals_c=jnp.zeros((1,), jnp.int32),
         zero_dst_z=jnp.zeros((1,), jnp.int32),
         zero_size_z=jnp.zeros((1,), jnp.int32),
     )
     return dispatch, back
+
+
+def exchange_round(
+    t: Traffic, me: Array, round_index: Array, window: int, tile: int, moves: tuple[Moves, Moves]
+) -> tuple[Moves, Moves]:
+    """`exchange_pieces`' tables with round r's counts: the dispatch's arrivals are
+    `tile_arrivals` (the pieces each of `me`'s tiles gets) and its zero ranges every slot of
+    `me`'s buffer no row fills (each local expert's last tile past its rows, and every slot
+    past the groups, which a grouped GEMM's last row tile reads too), so that the grouped GEMMs
+    read zeros there, forward and backward; the return's one counter gets `me`'s own pieces of
+    the round, each of which comes back once."""
+    dispatch, back = moves
+    lo_g, hi_g, tile_start_g = _round_runs(t, me, round_index, window, tile)
+    length_g = hi_g - lo_g
+    pad_g = (-length_g) % tile
+    end = jnp.sum(length_g + pad_g, dtype=jnp.int32)[None]
+    slots = num_tiles(window, tile, t.num_local) * tile
+    real_p = jnp.arange(dispatch.src_p.shape[0]) < dispatch.count
+    mine_in_round = jnp.sum(real_p & (dispatch.round_p == round_index), dtype=jnp.int32)
+    dispatch = dataclasses.replace(
+        dispatch,
+        arrivals_c=tile_arrivals(t, me, round_index, window, tile),
+        zero_dst_z=jnp.concatenate([tile_start_g * tile + length_g, end]).astype(jnp.int32),
+        zero_size_z=jnp.concatenate([pad_g, slots - end]).astype(jnp.int32),
+    )
+    return dispatch, dataclasses.replace(back, arrivals_c=mine_in_round[None])
+
+
+def exchange_moves(
+    t: Traffic, me: Array, round_index: Array, num_rows: int, window: int, tile: int
+) -> tuple[Moves, Moves]:
+    """Device `me`'s copies in round r, (dispatch, back): `exchange_pieces` with round r's
+    counts (`exchange_round`). A loop over rounds builds the pieces once instead."""
+    moves = exchange_pieces(t, me, num_rows, window, tile)
+    return exchange_round(t, me, round_index, window, tile, moves)

@@ -34,7 +34,7 @@ import numpy as np
 from jax import Array, lax
 
 from mok_jax import exchange, exchange_protocol
-from mok_jax.config import Exchange
+from mok_jax.config import Exchange, FusedRecompute
 from mok_jax.permute import take_rows
 from mok_jax.tiles import tile_layout, tiled_experts, vary, varying_axes
 
@@ -67,7 +67,7 @@ class RoutedSpec:
     row_tile: int
     dtype: np.dtype
     kernel: Literal["xla", "pallas", "fused"] = "xla"
-    recompute: str = "gmm"
+    recompute: FusedRecompute = "gmm"
     exchange_tile: int = 64
 
 
@@ -141,24 +141,27 @@ def _ring_round(r, x_nd, weights, t: exchange.Traffic, spec: RoutedSpec) -> Arra
     return y_nd
 
 
-def _fused_round(r, rows, weights, t: exchange.Traffic, spec: RoutedSpec) -> Array:
+def _fused_round(r, rows, weights, plan, spec: RoutedSpec) -> Array:
     """Round r with the exchange inside kernels: rows (x [N, D], routing weights f32 [N]) ->
-    weighted results f32 [N, D] on the rows of round r (the other rows unspecified)."""
+    weighted results f32 [N, D] on the rows of round r (the other rows unspecified). plan:
+    (traffic, the exchange's pieces of every round), `_fused_plan`'s."""
     from pallas_kernels.exchange import ops as exchange_ops
     from pallas_kernels.grouped_matmul import ops as grouped_ops
 
     x_nd, scale_n = rows
+    t, moves = plan
     me, window, tile = _me(spec), spec.buffer_rows, spec.exchange_tile
     num_rows = x_nd.shape[0]
     slots = exchange_protocol.num_tiles(window, tile, spec.num_local) * tile
-    dispatch, back = exchange_protocol.exchange_moves(t, me, r, num_rows, window, tile)
+    dispatch, back = exchange_protocol.exchange_round(t, me, r, window, tile, moves)
     group_sizes_g, _ = exchange_protocol.buffer_layout(t, me, r, window, tile)
     # The weights as a 16-byte column (a copy moves whole 16-byte chunks); a concatenate, not
     # a broadcast, so that the weights' gradient is the first column's, bit for bit.
     scale_n4 = jnp.concatenate([scale_n[:, None], jnp.zeros((num_rows, 3), jnp.float32)], 1)
-    # The buffer's padding (an expert's last tile past its rows) comes out of the kernel as
-    # zeros, and so does the results' cotangent there (the dispatch's zero ranges): zero rows
-    # add nothing to the weights' gradients. Slots past the groups are never read.
+    # Every slot no row fills (an expert's last tile past its rows, the slots past the groups)
+    # comes out of the kernel as zeros, and so does the results' cotangent there (the
+    # dispatch's zero ranges): zero rows add nothing to the weights' gradients, which sum over
+    # whole row tiles.
     with jax.named_scope("dispatch"):
         x_sd = exchange_ops.send_rows(x_nd, dispatch, back, r, slots, spec.axis)
         scale_s = exchange_ops.send_rows(scale_n4, dispatch, back, r, slots, spec.axis)[:, 0]
@@ -182,10 +185,21 @@ def _dest_of_rows(t: exchange.Traffic, me: Array, num_rows: int) -> Array:
     return jnp.searchsorted(ends_d, row_n, side="right", method="scan_unrolled").astype(jnp.int32)
 
 
-def _plan_rounds(t: exchange.Traffic, num_rows: int, spec: RoutedSpec):
-    """(round function, rounds, round of each row) for this exchange."""
+def _fused_plan(t: exchange.Traffic, num_rows: int, spec: RoutedSpec):
+    """kernel "fused": (traffic, the exchange's (dispatch, back) pieces of every round), built
+    once for all the rounds."""
+    pieces = exchange_protocol.exchange_pieces(
+        t, _me(spec), num_rows, spec.buffer_rows, spec.exchange_tile
+    )
+    return t, pieces
+
+
+def _plan_rounds(t, num_rows: int, spec: RoutedSpec):
+    """(round function, rounds, round of each row) for this exchange. t: the traffic, or with
+    kernel "fused" `_fused_plan`'s."""
     me = _me(spec)
     if spec.kernel == "fused":
+        t, _ = t
         places = exchange_protocol.row_places(t, me, num_rows, spec.buffer_rows, spec.exchange_tile)
         return _fused_round, exchange.window_rounds(t, spec.buffer_rows), places.round_n
     dest_n = _dest_of_rows(t, me, num_rows)
@@ -223,6 +237,8 @@ def routed_experts(
     if spec.kernel == "fused" and spec.axis is None:
         raise ValueError("kernel 'fused' exchanges along a mesh axis: spec.axis must be set")
     t = _counts(group_sizes_e, spec)
+    if spec.kernel == "fused":
+        t = _fused_plan(t, x_nd.shape[0], spec)
     _, rounds, _ = _plan_rounds(t, x_nd.shape[0], spec)
     rounds = _agreed(rounds, spec)
     # The weights meet rows of every device: let them vary where the rows do, so their

@@ -180,7 +180,10 @@ def _send_rows_kernel(
             copy_piece(src_ref, dst_ref, src_p_ref[p], dst_p_ref[p], size_p_ref[p], stage_smem,
                        loaded)  # fmt: skip
             sem = counters.at[counter_p_ref[p]]
-            pl.semaphore_signal(sem) if local else pl.semaphore_signal(sem, device_id=peer)
+            if local:
+                pl.semaphore_signal(sem)
+            else:
+                pl.semaphore_signal(sem, device_id=peer)
 
     # 3. The kernel returns once every counter of this device has its copies: counter c is
     #    waited for by block c % num_blocks.

@@ -43,12 +43,15 @@ def send_rows(
     implementation: Implementation = "auto",
 ) -> Array:
     """Round `round_index` of one direction of the exchange: src [A, D] -> [out_rows, D], the
-    rows every device's `moves` copy to this device (inside `jax.shard_map` over `axis_name`;
-    rows no copy fills are unspecified with the kernel, zeros with the reference).
+    rows every device's `moves` copy to this device, zeros in its zero ranges (inside
+    `jax.shard_map` over `axis_name`; other rows are unspecified with the kernel, zeros with
+    the reference).
 
     `back` are the reverse direction's tables (this device's copies from its output rows back
-    to the source rows); the gradient travels along them. implementation: "auto" (the Mosaic
-    GPU kernel on GPUs, the reference on the CPU), "mosaic_gpu" or "reference".
+    to the source rows, with its own zero ranges); the gradient travels along them, so the
+    gradient of a source row that no copy of the round reads is unspecified with the kernel
+    (zero with the reference) unless `back`'s zero ranges cover it. implementation: "auto"
+    (the Mosaic GPU kernel on GPUs, the reference on the CPU), "mosaic_gpu" or "reference".
     """
     return _send(src_ad, moves, round_index, out_rows, axis_name, implementation)
 

@@ -1,6 +1,6 @@
 """One direction of the exchange in plain JAX (the spec of mosaic_gpu.send_rows, and its
 stand-in where Mosaic GPU cannot run): inside `jax.shard_map`, the rows every device's `Moves`
-copy in one round land in their peers' outputs."""
+copy in one round land in their peers' outputs, and each device's zero ranges are zeros."""
 
 from __future__ import annotations
 
@@ -11,12 +11,19 @@ from pallas_kernels.exchange.moves import Moves
 
 
 def send_rows(
-    src_ad: Array, moves: Moves, round_index: Array, *, out_rows: int, axis_name: str
+    src_ad: Array,
+    moves: Moves,
+    round_index: Array,
+    *,
+    out_rows: int,
+    axis_name: str,
+    unfilled: float = 0.0,
 ) -> Array:
-    """This device's output [out_rows, D] of round `round_index` (zeros where no copy lands,
-    which covers the zero ranges): `mosaic_gpu.send_rows`'s contract, with all_gathers.
-    Output row o comes from the one copy of the round whose destination rows [dst, dst + size)
-    on this device hold o."""
+    """This device's output [out_rows, D] of round `round_index`: `mosaic_gpu.send_rows`'s
+    contract, with all_gathers. Output row o comes from the one copy of the round whose
+    destination rows [dst, dst + size) on this device hold o; rows in this device's zero ranges
+    are zeros; the other rows, which the kernel leaves unspecified, are `unfilled` (a test can
+    make them NaN to show that nothing reads them)."""
     moves.check()
     me = lax.axis_index(axis_name)
     gather = lambda a: lax.all_gather(a, axis_name)  # noqa: E731
@@ -41,4 +48,10 @@ def send_rows(
     source_o = flat // src_sp.shape[1]
     index_o = jnp.clip(src_sp.reshape(-1)[flat] + lane_o, 0, num_rows - 1)
     rows_od = src_sad.reshape(-1, d_model)[source_o * num_rows + index_o]
-    return jnp.where(hit_o[:, None], rows_od, jnp.zeros((), src_ad.dtype))
+    zero_o = jnp.any(
+        (row_o[:, None] >= moves.zero_dst_z)
+        & (row_o[:, None] < moves.zero_dst_z + moves.zero_size_z),
+        axis=1,
+    )
+    rest_od = jnp.where(zero_o[:, None], 0, unfilled).astype(src_ad.dtype)
+    return jnp.where(hit_o[:, None], rows_od, rest_od)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -139,9 +140,9 @@ def test_pieces_are_the_runs_of_rows_in_one_tile(case):
 def test_exchange_moves_go_there_and_back_and_zero_the_padding(case):
     """`exchange_moves` against the row places, per device and round: the dispatch's copies are
     the device's pieces; the return's copies to a source are exactly its pieces of the round,
-    reversed (slot -> row), counted once each; each receiver's groups (`buffer_layout`) hold
-    its expert runs, every group slot is either filled by a row or in a zero range, never
-    both."""
+    reversed (slot -> row), counted once each; each receiver's groups (`buffer_layout`) are
+    whole tiles, and every slot of its buffer is either filled by a row or in a zero range,
+    never both."""
     counts_se, _, num_rows, window, tile = case
     num_devices = counts_se.shape[0]
     t, places = all_places(*case)
@@ -153,10 +154,19 @@ def test_exchange_moves_go_there_and_back_and_zero_the_padding(case):
             dispatch, back = jax.tree.map(np.asarray, moves)
             mine = jax.tree.map(np.asarray, xp.pieces(xp.row_places(
                 t, jnp.int32(d), num_rows, window, tile), tile))  # fmt: skip
-            np.testing.assert_array_equal(dispatch.src_p, mine.row_p)
-            np.testing.assert_array_equal(dispatch.dst_p, mine.slot_p)
-            np.testing.assert_array_equal(dispatch.counter_p, mine.tile_p)
-            for i in range(int(back.count)):
+            for got, want in (
+                (dispatch.src_p, mine.row_p),
+                (dispatch.dst_p, mine.slot_p),
+                (dispatch.size_p, mine.size_p),
+                (dispatch.peer_p, mine.dest_p),
+                (dispatch.round_p, mine.round_p),
+                (dispatch.counter_p, mine.tile_p),
+                (dispatch.count, mine.count),
+                (dispatch.arrivals_c, xp.tile_arrivals(t, jnp.int32(d), r, window, tile)),
+            ):
+                chex.assert_trees_all_equal(got, np.asarray(want))
+            # The return's tables hold every round's pieces to d, each with its round.
+            for i in np.flatnonzero(back.round_p[: int(back.count)] == r):
                 returned[int(back.peer_p[i])].append(
                     (d, int(back.src_p[i]), int(back.dst_p[i]), int(back.size_p[i]))
                 )
@@ -173,8 +183,8 @@ def test_exchange_moves_go_there_and_back_and_zero_the_padding(case):
             for a, n in zip(dispatch.zero_dst_z, dispatch.zero_size_z, strict=True):
                 assert not zeroed[a : a + n].any() and not filled_s[a : a + n].any()
                 zeroed[a : a + n] = True
-            in_groups = np.arange(filled_s.size) < sizes_g.sum()
-            np.testing.assert_array_equal(filled_s | zeroed, in_groups)
+            # Every slot is filled or zeroed: a GEMM's last row tile reads past the groups.
+            assert (filled_s | zeroed).all()
         for s in range(num_devices):
             sent = jax.tree.map(np.asarray, xp.pieces(xp.row_places(
                 t, jnp.int32(s), num_rows, window, tile), tile))  # fmt: skip

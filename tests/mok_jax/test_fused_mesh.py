@@ -15,12 +15,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+from unittest import mock
 
 import chex
 import jax
+import numpy as np
 import pytest
 
 from mok_jax import make_mesh, presets
+from pallas_kernels.exchange import reference
 from tests.mok_jax.cases import (
     SCALED_PRESETS,
     assert_aux_equal,
@@ -29,7 +32,7 @@ from tests.mok_jax.cases import (
     random_inputs,
     with_impl,
 )
-from tests.mok_jax.test_expert_parallel import value_and_grads
+from tests.mok_jax.test_expert_parallel import value_and_grads, value_and_grads_fn
 from tests.mok_jax.test_pallas_mesh import (
     MOSAIC_GPU_CALL,
     gpu_interpret_on_several_devices,
@@ -83,11 +86,37 @@ def test_two_devices_equal_one():
             assert_fused_matches_one_device(result, base, QWEN3.dtype)
 
 
-def test_lowered_for_cuda_on_8_devices():
-    """The forward+backward lowers for CUDA on EP 8 with the exchange's kernels and no
-    collective for the rows (the per-expert counts' all_gather and the rounds' pmax stay)."""
+@pytest.mark.parametrize("recompute", ["gmm", "kernel"])
+def test_nothing_reads_the_rows_the_kernel_leaves_unspecified(recompute):
+    """The exchange kernel leaves unspecified every output row no copy fills and no zero range
+    covers: here the reference fills them with NaN (EP 2, several rounds), and y, dx and every
+    parameter gradient must still be finite and, for y and dx, the bits of one device."""
+    cfg = with_impl(QWEN3, "fused", fused_recompute=recompute)
+    x, params, cotangent = random_inputs(cfg, NUM_TOKENS, 0)
+    nan_reference = functools.partial(reference.send_rows, unfilled=float("nan"))
+    ep2 = make_mesh("expert", devices=jax.devices()[:2])
+    with (
+        gpu_interpret_on_several_devices(),
+        mock.patch.object(reference, "send_rows", nan_reference),
+    ):
+        # A fresh jit: the patched reference must be traced, not a cached trace reused.
+        result = value_and_grads_fn()(x, params, cotangent, cfg, ep2)
+    for leaf in jax.tree.leaves(result):
+        assert np.isfinite(np.asarray(leaf, np.float32)).all(), leaf
+    assert_fused_matches_one_device(result, one_device(cfg, 0), cfg.dtype)
+
+
+@pytest.mark.parametrize("layout", ["ep8", "dp2xep4"])
+def test_lowered_for_cuda_on_8_devices(layout):
+    """The forward+backward lowers for CUDA on EP 8 and on a 2 x 4 (data x expert) mesh (the
+    peers addressed along one axis of two) with the exchange's kernels and no collective for
+    the rows (the per-expert counts' all_gather and the rounds' pmax stay)."""
     cfg = with_impl(SCALED_PRESETS["deepseek_v3"], "fused")
-    mesh = make_mesh("expert", devices=jax.devices()[:8])
+    devices = jax.devices()[:8]
+    mesh = {
+        "ep8": lambda: make_mesh("expert", devices=devices),
+        "dp2xep4": lambda: make_mesh("data_expert", data=2, devices=devices),
+    }[layout]()
     x, params, cotangent = random_inputs(cfg, 64, 0)
     text = lowered_with_kernels(x, params, cotangent, cfg, mesh)
     assert "sdy.manual_computation" in text
