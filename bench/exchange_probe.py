@@ -1,13 +1,12 @@
-"""Bisects the in-kernel exchange's dispatch kernel on a GPU (issue 7): small Mosaic GPU kernels,
-from semaphores alone to the full dispatch, each run in a subprocess under a timeout (a wrong
-semaphore count hangs rather than fails). Writes one JSON record a probe.
+"""The in-kernel exchange on one GPU (issue 7), from semaphores alone to the layer: each probe
+runs in a subprocess under a timeout (a wrong semaphore count hangs rather than fails). Writes
+one JSON record a probe.
 
     PYTHONPATH=. python -m bench.exchange_probe --out probe.json [--timeout 60] [--only NAME]
 
 Probes (one device, one mesh axis of size 1 where shard_map is used):
   sem_one_block    one block signals a global semaphore and waits for it
   sem_blocks       132 blocks signal tiles from a table; block 0 waits for each tile's count
-  copies           the dispatch's copy path alone (`copy_piece`, no semaphores), checked
   dispatch         the dispatch and return kernels in shard_map against the protocol's plan,
                    2 rounds, timed
   layer            `fused` at qwen3_30b_a3b (4096 tokens) on a 1-device mesh (the exchange's
@@ -25,7 +24,7 @@ import time
 
 import numpy as np
 
-PROBES = ("sem_one_block", "sem_blocks", "copies", "dispatch", "layer")
+PROBES = ("sem_one_block", "sem_blocks", "dispatch", "layer")
 
 
 def _sem_one_block() -> dict:
@@ -85,54 +84,6 @@ def _case():
     from tests.pallas_kernels.exchange import test_mosaic_gpu as t
 
     return t, dict(num_local=4, num_rows=4096, window=3072, tile=64)
-
-
-def _copies() -> dict:
-    import jax
-    import jax.numpy as jnp
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    from mok_jax import exchange
-    from mok_jax import exchange_protocol as xp
-    from pallas_kernels.exchange import mosaic_gpu
-
-    t_mod, case = _case()
-    num_local, num_rows, window, tile = case.values()
-    d_model, blocks = 2048, 132
-    counts_se = t_mod.random_counts(1, 1, num_local, num_rows)
-    traffic = exchange.traffic(jnp.asarray(counts_se), num_local)
-    x = jax.random.normal(jax.random.key(0), (num_rows, d_model), jnp.float32).astype(jnp.bfloat16)
-    want, filled, rounds = t_mod.planned_buffers(counts_se, np.asarray(x)[None], num_local,
-                                                 window, tile)  # fmt: skip
-    pcs = xp.pieces(xp.row_places(traffic, jnp.int32(0), num_rows, window, tile), tile)
-    box = mosaic_gpu.stage_rows(d_model, 2)
-
-    def kernel(x_ref, row_ref, slot_ref, size_ref, round_p_ref, count_ref, round_ref, buf_ref,
-               stage_smem, loaded):  # fmt: skip
-        @pl.loop(jax.lax.axis_index("blocks"), count_ref[0], step=blocks)
-        def _piece(p):
-            @pl.when(round_p_ref[p] == round_ref[0])
-            def _send():
-                mosaic_gpu.copy_piece(x_ref, buf_ref, row_ref[p], slot_ref[p], size_ref[p],
-                                      stage_smem, loaded)  # fmt: skip
-
-    slots = xp.num_tiles(window, tile, num_local) * tile
-    run = plgpu.kernel(
-        kernel,
-        out_type=jax.ShapeDtypeStruct((slots, d_model), x.dtype),
-        grid=(blocks,),
-        grid_names=("blocks",),
-        scratch_types=[plgpu.SMEM((box, d_model), x.dtype), plgpu.Barrier(num_arrivals=1)],
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )
-    ok = True
-    for r in range(rounds):
-        got = run(x, pcs.row_p, pcs.slot_p, pcs.size_p, pcs.round_p, pcs.count.reshape(1),
-                  jnp.int32(r).reshape(1))  # fmt: skip
-        mask = filled[0, r]
-        ok &= bool(np.array_equal(np.asarray(got)[mask], want[0, r][mask]))
-    return {"ok": ok, "rounds": int(rounds), "pieces": int(pcs.count)}
 
 
 def _dispatch() -> dict:

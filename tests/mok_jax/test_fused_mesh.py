@@ -17,7 +17,6 @@ import functools
 import re
 from unittest import mock
 
-import chex
 import jax
 import numpy as np
 import pytest
@@ -26,8 +25,7 @@ from mok_jax import make_mesh, presets
 from pallas_kernels.exchange import reference
 from tests.mok_jax.cases import (
     SCALED_PRESETS,
-    assert_aux_equal,
-    assert_close,
+    assert_same_rows,
     num_gpus,
     random_inputs,
     with_impl,
@@ -60,17 +58,6 @@ def one_device(cfg, seed):
     return value_and_grads(*random_inputs(cfg, NUM_TOKENS, seed), cfg, None)
 
 
-def assert_fused_matches_one_device(result, base, dtype):
-    """y and dx the same bits as on one device, the counts exactly, the parameters' gradients
-    to tolerance (the rounds differ: one device has one)."""
-    (_, (y, aux)), (dx, dp) = result
-    (_, (y1, aux1)), (dx1, dp1) = base
-    chex.assert_trees_all_equal(y, y1)
-    chex.assert_trees_all_equal(dx, dx1)
-    assert_aux_equal(aux, aux1)
-    assert_close(dp, dp1, dtype)
-
-
 def test_two_devices_equal_one():
     """EP 2 in several rounds, with two exchange tiles; then 2 devices on the data axis (EP 1:
     the exchange's copies go to the device itself)."""
@@ -83,7 +70,7 @@ def test_two_devices_equal_one():
                           (dp2, QWEN3)):  # fmt: skip
             result = value_and_grads(x, params, cotangent, cfg, mesh)
             assert int(result[0][1][1].rounds) >= 2
-            assert_fused_matches_one_device(result, base, QWEN3.dtype)
+            assert_same_rows(result, base, QWEN3.dtype)
 
 
 @pytest.mark.parametrize("recompute", ["gmm", "kernel"])
@@ -103,7 +90,7 @@ def test_nothing_reads_the_rows_the_kernel_leaves_unspecified(recompute):
         result = value_and_grads_fn()(x, params, cotangent, cfg, ep2)
     for leaf in jax.tree.leaves(result):
         assert np.isfinite(np.asarray(leaf, np.float32)).all(), leaf
-    assert_fused_matches_one_device(result, one_device(cfg, 0), cfg.dtype)
+    assert_same_rows(result, one_device(cfg, 0), cfg.dtype)
 
 
 @pytest.mark.parametrize("layout", ["ep8", "dp2xep4"])
@@ -141,4 +128,4 @@ def test_gpu_one_device_mesh_equals_no_mesh():
     mesh = make_mesh("expert", devices=jax.devices()[:1])
     result = value_and_grads(x, params, cotangent, cfg, mesh)
     assert int(result[0][1][1].rounds) >= 2
-    assert_fused_matches_one_device(result, base, cfg.dtype)
+    assert_same_rows(result, base, cfg.dtype)
