@@ -28,8 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 
 # "reference": the oracle (one device); "xla": XLA ops, any mesh; "pallas": the Mosaic GPU
-# grouped GEMMs in the experts stage, any mesh; "fused": one device, the rows read straight
-# from the tokens and the routing weights applied inside the kernels (see layer._fused_experts).
+# grouped GEMMs in the experts stage, any mesh; "fused": the rows read straight from the
+# tokens and the routing weights applied inside the kernels (see layer._fused_experts), and
+# under a mesh the rows moved between devices inside kernels too (layer._fused_exchange).
 Implementation = Literal["reference", "xla", "pallas", "fused"]
 ScoreFn = Literal["softmax", "sigmoid"]
 # How rows travel between the devices of the `expert` mesh axis (see exchange.py).
@@ -169,7 +170,8 @@ class MoEConfig:
       fused_rows: with implementation 'fused', where the gate/up kernel's rows come from (see
         `FusedRows`); both give the same bits. "gathered" saves the [T*K, D] copy of the
         tokens; "copied" is faster on the H200 (2.1 against 2.8 ms at qwen3_30b_a3b's gate/up,
-        bench/results/2026-11-30_fused_probe_h200/).
+        bench/results/2026-11-30_fused_probe_h200/). Under a mesh the rows are copied
+        (the exchange sends the copy).
       fused_residuals: with implementation 'fused', what its forward keeps for the backward
         (see `FusedResiduals`): "inputs" is lean, "gate_up" skips recomputing the gate and up
         projections (2 of a forward+backward's 11 GEMM passes) for 3 * K * F more values per
@@ -177,11 +179,12 @@ class MoEConfig:
         against 37.0-38.1 for the defaults, and the deepseek-v3 slice's in 21.9 against
         24.3-24.8, for 176 KiB of activations a token against 8 KiB at mixtral
         (bench/results/moe_layer_h200.md, bench/results/2026-11-30_activation_memory.md).
+        Under a mesh it does not apply: the backward recomputes each round's forward.
       fused_recompute: with implementation 'fused' and residuals "inputs", how the backward
         recomputes gate and up (see `FusedRecompute`); the same values (h to the bit, the rest
         to their f32 rounding). "gmm" is faster on the H200 (3.03 against 3.73 ms at
         qwen3_30b_a3b, bench/results/2026-12-01_fused_probe_h200/); "kernel" keeps
-        3 * 4 * K * F bytes per token of f32 intermediates out of HBM.
+        3 * 4 * K * F bytes per token of f32 intermediates out of HBM. Under a mesh too.
     """
 
     d_model: int
