@@ -17,6 +17,11 @@ One process drives every GPU (a single-host mesh). Three parts, each rewriting
    N = T k rows of D bf16, an equal share to every device): `lax.ragged_all_to_all`, the dense
    `lax.all_to_all` and one ring hop of `lax.ppermute`; bytes that leave a device per second.
 
+`--exchanges` may name `fused` among the exchanges: implementation "fused", whose exchange runs
+inside its own kernels (issue 7), against the others run with `--implementation` (xla by
+default, or pallas); each implementation is compared with its own EP 1 run, and fused's scaling
+rows have no "no exchange" variant yet.
+
 NVLink multicast stays off (NCCL_NVLS_ENABLE=0 is set here before jax starts, as the device's
 README asks; it is already set on the lent machines).
 """
@@ -157,6 +162,17 @@ def within_tolerance(actual, expected, dtype) -> bool:
 
 EP_DEGREES = [1, 2, 4, 8, 16, 32, 64]
 EXCHANGES = list(mok_jax.EXCHANGES)
+# "--exchanges ...,fused": implementation "fused", whose exchange runs inside its own kernels
+# (issue 7); the other exchanges run with --implementation (xla by default).
+FUSED = "fused"
+IMPLEMENTATION = ["xla"]
+
+
+def variant(cfg, exch: str):
+    """cfg for one exchange of the run: its implementation and, but for fused, its exchange."""
+    if exch == FUSED:
+        return dataclasses.replace(cfg, implementation=FUSED)
+    return dataclasses.replace(cfg, implementation=IMPLEMENTATION[0], exchange=exch)
 
 
 def ep_degrees(num_devices: int) -> list[int]:
@@ -167,13 +183,13 @@ def ep_degrees(num_devices: int) -> list[int]:
 
 
 def correctness(name, cfg, num_tokens, record, timed) -> None:
-    base = None
+    base = {}  # per implementation: its EP 1 result
     # EP 1 always: it is what every other degree is compared with.
     for ep in sorted({1, *ep_degrees(len(jax.devices()))}):
         for exch in EXCHANGES:
-            if ep == 1 and exch != EXCHANGES[-1]:
-                continue  # one device: both exchanges take the same local path
-            c = dataclasses.replace(cfg, exchange=exch)
+            c = variant(cfg, exch)
+            if ep == 1 and c.implementation in base:
+                continue  # one device: the exchanges of one implementation take one path
             mesh = make_mesh("expert", devices=jax.devices()[:ep])
             args = inputs(c, num_tokens, mesh)
             fn = step_fn(c, mesh)
@@ -183,16 +199,18 @@ def correctness(name, cfg, num_tokens, record, timed) -> None:
                 "case": name,
                 "tokens": num_tokens,
                 "ep": ep,
+                "implementation": c.implementation,
                 "exchange": exch,
                 "rounds": int(runs[0][0][1][1].rounds),
                 "repeat_bitwise_3_runs": bitwise(runs[0], runs[1]) and bitwise(runs[0], runs[2]),
             }
-            if base is None:
-                base = runs[0]
+            if ep == 1:
+                base[c.implementation] = runs[0]
                 row["is_single_gpu_baseline"] = True
             else:
-                same, err = compare(runs[0], base)
-                row["within_tolerance_of_single_gpu"] = within_tolerance(runs[0], base, c.dtype)
+                one = base[c.implementation]
+                same, err = compare(runs[0], one)
+                row["within_tolerance_of_single_gpu"] = within_tolerance(runs[0], one, c.dtype)
                 row["bitwise_vs_single_gpu"] = same
                 row["max_rel_err_vs_single_gpu"] = err
             record(row)
@@ -240,13 +258,15 @@ def collectives_in(fn, *args) -> list[str]:
 
 def scaling(name, cfg, tokens_per_device, record, timed, budget_end) -> None:
     for ep in ep_degrees(len(jax.devices())):
+        done_at_ep1 = set()
         for exch in EXCHANGES:
-            if ep == 1 and exch != EXCHANGES[-1]:
+            c = variant(cfg, exch)
+            if ep == 1 and c.implementation in done_at_ep1:
                 continue
+            done_at_ep1.add(c.implementation)
             if time.monotonic() > budget_end:
                 record({"part": "scaling", "case": name, "ep": ep, "skipped": "budget"})
                 return
-            c = dataclasses.replace(cfg, exchange=exch)
             mesh = make_mesh("expert", devices=jax.devices()[:ep])
             num_tokens = tokens_per_device * ep
             args = inputs(c, num_tokens, mesh)
@@ -257,13 +277,17 @@ def scaling(name, cfg, tokens_per_device, record, timed, budget_end) -> None:
                 "tokens_per_device": tokens_per_device,
                 "tokens": num_tokens,
                 "ep": ep,
+                "implementation": c.implementation,
                 "exchange": exch if ep > 1 else "local (one device)",
                 "rounds": int(out[0][1][1].rounds),
                 "compile_s": round(first, 2),
                 "fwd_bwd_ms": round(ms, 3),
                 "fwd_bwd_ms_min_max": [round(min(all_ms), 3), round(max(all_ms), 3)],
             }
-            if ep > 1:
+            if ep > 1 and exch == FUSED:
+                # No local stand-in for the in-kernel exchange yet: no share measured.
+                row["exchange_collectives"] = collectives_in(step_fn(c, mesh), *args)
+            elif ep > 1:
                 with no_exchange():
                     local = step_fn(c, mesh)
                     if left := collectives_in(local, *args):
@@ -343,9 +367,9 @@ def report(results: list[dict]) -> str:
     correct = [r for r in rows if r["part"] == "correctness" and "bitwise_vs_single_gpu" in r]
     if correct:
         out += [
-            "| case | T | EP | exchange | rounds | 3 runs bitwise | within tolerance | bitwise "
-            "equal to 1 GPU | not bitwise (max rel. error) |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            "| case | T | EP | implementation | exchange | rounds | 3 runs bitwise | within "
+            "tolerance | bitwise equal to 1 GPU | not bitwise (max rel. error) |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for r in correct:
             same = [k for k, v in r["bitwise_vs_single_gpu"].items() if v]
@@ -355,8 +379,9 @@ def report(results: list[dict]) -> str:
                 if not v
             ]
             out.append(
-                f"| {r['case']} | {r['tokens']} | {r['ep']} | {r['exchange']} | {r['rounds']} | "
-                f"{r['repeat_bitwise_3_runs']} | {r['within_tolerance_of_single_gpu']} | "
+                f"| {r['case']} | {r['tokens']} | {r['ep']} | {r.get('implementation', 'xla')} | "
+                f"{r['exchange']} | {r['rounds']} | {r['repeat_bitwise_3_runs']} | "
+                f"{r['within_tolerance_of_single_gpu']} | "
                 f"{', '.join(same)} | {', '.join(diff) or '-'} |"
             )
         out.append("")
@@ -376,13 +401,14 @@ def report(results: list[dict]) -> str:
     scale = [r for r in rows if r["part"] == "scaling" and "fwd_bwd_ms" in r]
     if scale:
         out += [
-            "| case | tokens/device | EP | exchange | XLA_FLAGS | fwd+bwd ms | no-exchange ms | "
-            "exchange share |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+            "| case | tokens/device | EP | implementation | exchange | XLA_FLAGS | fwd+bwd ms | "
+            "no-exchange ms | exchange share |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for r in scale:
             out.append(
-                f"| {r['case']} | {r['tokens_per_device']} | {r['ep']} | {r['exchange']} | "
+                f"| {r['case']} | {r['tokens_per_device']} | {r['ep']} | "
+                f"{r.get('implementation', 'xla')} | {r['exchange']} | "
                 f"{r['xla_flags'] or '(default)'} | {r['fwd_bwd_ms']} | "
                 f"{r.get('no_exchange_fwd_bwd_ms', '-')} | {r.get('exchange_share', '-')} |"
             )
@@ -412,7 +438,10 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     ap.add_argument("--timed", type=int, default=10)
     ap.add_argument("--eps", default="", help="comma-separated EP degrees (default: all)")
-    ap.add_argument("--exchanges", default="", help="comma-separated (default: both)")
+    ap.add_argument(
+        "--exchanges", default="", help="comma-separated, 'fused' among them (default: both)"
+    )
+    ap.add_argument("--implementation", default="xla", help="of the exchanges but fused")
     ap.add_argument("--budget-s", type=float, default=420.0, help="no scaling run starts after")
     ap.add_argument("--smoke", action="store_true", help="CPU: 8 simulated devices, tiny layer")
     args = ap.parse_args(argv)
@@ -421,6 +450,7 @@ def main(argv: list[str]) -> None:
         EP_DEGREES[:] = [int(ep) for ep in args.eps.split(",")]
     if args.exchanges:
         EXCHANGES[:] = args.exchanges.split(",")
+    IMPLEMENTATION[:] = [args.implementation]
     args.out.mkdir(parents=True, exist_ok=True)
     devices = jax.devices()
     results = {
