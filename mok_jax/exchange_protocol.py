@@ -272,7 +272,9 @@ def exchange_pieces(
     from pallas_kernels.exchange.moves import Moves
 
     num_devices = t.counts_se.shape[0]
-    mine = pieces(row_places(t, me, num_rows, window, tile), tile)
+    sources = jnp.arange(num_devices, dtype=jnp.int32)
+    every = jax.vmap(lambda s: pieces(row_places(t, s, num_rows, window, tile), tile))(sources)
+    mine = jax.tree.map(lambda a: a[me], every)
     dispatch = Moves(
         src_p=mine.row_p,
         dst_p=mine.slot_p,
@@ -285,8 +287,6 @@ def exchange_pieces(
         zero_dst_z=jnp.zeros((t.num_local + 1,), jnp.int32),
         zero_size_z=jnp.zeros((t.num_local + 1,), jnp.int32),
     )
-    sources = jnp.arange(num_devices, dtype=jnp.int32)
-    every = jax.vmap(lambda s: pieces(row_places(t, s, num_rows, window, tile), tile))(sources)
     real_sp = jnp.arange(num_rows) < every.count[:, None]
     to_me_sp = real_sp & (every.dest_p == me)
     # The pieces to me first, in (source, row) order.

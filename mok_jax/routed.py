@@ -144,12 +144,12 @@ def _ring_round(r, x_nd, weights, t: exchange.Traffic, spec: RoutedSpec) -> Arra
 def _fused_round(r, rows, weights, plan, spec: RoutedSpec) -> Array:
     """Round r with the exchange inside kernels: rows (x [N, D], routing weights f32 [N]) ->
     weighted results f32 [N, D] on the rows of round r (the other rows unspecified). plan:
-    (traffic, the exchange's pieces of every round), `_fused_plan`'s."""
+    `_fused_plan`'s."""
     from pallas_kernels.exchange import ops as exchange_ops
     from pallas_kernels.grouped_matmul import ops as grouped_ops
 
     x_nd, scale_n = rows
-    t, moves = plan
+    t, moves, _ = plan
     me, window, tile = _me(spec), spec.buffer_rows, spec.exchange_tile
     num_rows = x_nd.shape[0]
     slots = exchange_protocol.num_tiles(window, tile, spec.num_local) * tile
@@ -186,12 +186,12 @@ def _dest_of_rows(t: exchange.Traffic, me: Array, num_rows: int) -> Array:
 
 
 def _fused_plan(t: exchange.Traffic, num_rows: int, spec: RoutedSpec):
-    """kernel "fused": (traffic, the exchange's (dispatch, back) pieces of every round), built
-    once for all the rounds."""
-    pieces = exchange_protocol.exchange_pieces(
-        t, _me(spec), num_rows, spec.buffer_rows, spec.exchange_tile
-    )
-    return t, pieces
+    """kernel "fused": (traffic, the exchange's (dispatch, back) pieces of every round, the
+    round of each row), built once for all the rounds."""
+    me, window, tile = _me(spec), spec.buffer_rows, spec.exchange_tile
+    pieces = exchange_protocol.exchange_pieces(t, me, num_rows, window, tile)
+    round_n = exchange_protocol.row_places(t, me, num_rows, window, tile).round_n
+    return t, pieces, round_n
 
 
 def _plan_rounds(t, num_rows: int, spec: RoutedSpec):
@@ -199,9 +199,8 @@ def _plan_rounds(t, num_rows: int, spec: RoutedSpec):
     kernel "fused" `_fused_plan`'s."""
     me = _me(spec)
     if spec.kernel == "fused":
-        t, _ = t
-        places = exchange_protocol.row_places(t, me, num_rows, spec.buffer_rows, spec.exchange_tile)
-        return _fused_round, exchange.window_rounds(t, spec.buffer_rows), places.round_n
+        t, _, round_n = t
+        return _fused_round, exchange.window_rounds(t, spec.buffer_rows), round_n
     dest_n = _dest_of_rows(t, me, num_rows)
     if spec.exchange == "ring" and spec.axis is not None:
         rank_n = jnp.arange(num_rows, dtype=jnp.int32) - t.send_start_sd[me, dest_n]
