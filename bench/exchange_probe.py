@@ -9,9 +9,13 @@ Probes (one device, one mesh axis of size 1 where shard_map is used):
   sem_blocks       132 blocks signal tiles from a table; block 0 waits for each tile's count
   dispatch         the dispatch and return kernels in shard_map against the protocol's plan,
                    2 rounds, timed
+  overlap          the dispatch and gate/up GEMMs of qwen3_30b_a3b's round (4096 tokens, top-8,
+                   128 experts on one device) as one kernel with each of --programs copy
+                   programs, against the separate kernels (0): bitwise, timed
   layer            `fused` at qwen3_30b_a3b (4096 tokens) on a 1-device mesh (the exchange's
-                   kernels, one round) at each of --tiles (exchange_tile) against `fused`
-                   without a mesh: y and dx bitwise, forward and forward+backward timed
+                   kernels, one round) at each of --tiles (exchange_tile) and --programs
+                   (exchange_programs) against `fused` without a mesh: y and dx bitwise,
+                   forward and forward+backward timed
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import time
 
 import numpy as np
 
-PROBES = ("sem_one_block", "sem_blocks", "dispatch", "layer")
+PROBES = ("sem_one_block", "sem_blocks", "dispatch", "overlap", "layer")
 
 
 def _sem_one_block() -> dict:
@@ -120,7 +124,48 @@ def _dispatch() -> dict:
             "round0_GBps": 2 * rows * d_model * 2 / best / 1e9}  # fmt: skip
 
 
-def _layer(tiles: tuple[int, ...]) -> dict:
+def _median_ms(fn, *args, iters: int = 10) -> float:
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return 1e3 * float(np.median(times))
+
+
+def _overlap(programs: tuple[int, ...]) -> dict:
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    t_mod, _ = _case()
+    num_local, num_rows, tile, d_model, d_ff = 128, 32768, 64, 2048, 768
+    window = num_rows
+    mesh = jax.make_mesh((1,), (t_mod.AXIS,), devices=jax.devices()[:1])
+    counts_se = t_mod.random_counts(3, 1, num_local, num_rows)
+    inputs = t_mod.dispatch_swiglu_inputs(mesh, num_local, num_rows, d_model, d_ff)
+    put = lambda a: jax.device_put(jnp.asarray(a), jax.NamedSharding(mesh, P()))  # noqa: E731
+    args = (*inputs, put(counts_se), put(jnp.int32(0)))
+    specs = dict(mesh=mesh, in_specs=(P(t_mod.AXIS),) * 4 + (P(), P()),
+                 out_specs=(P(t_mod.AXIS),) * 3)  # fmt: skip
+    record, want = {"ok": True}, None
+    for c in (0, *programs):
+        body, _ = t_mod.dispatch_swiglu_fn(num_local, num_rows, window, tile, copy_programs=c)
+        fn = jax.jit(jax.shard_map(body, **specs))
+        got = fn(*args)
+        if want is None:
+            want = got
+        else:
+            record["ok"] &= all(bool(jnp.all(a == b)) for a, b in zip(got, want, strict=True))
+        record[f"programs{c}_ms"] = _median_ms(fn, *args)
+        print(json.dumps({"partial": True, **record}), flush=True)
+    return record
+
+
+def _layer(tiles: tuple[int, ...], programs: tuple[int, ...]) -> dict:
     import dataclasses
 
     import jax
@@ -144,7 +189,12 @@ def _layer(tiles: tuple[int, ...]) -> dict:
 
     record, outs = {"ok": True}, {}
     runs = [("no_mesh", None, base)]
-    runs += [(f"mesh_1_tile{t}", mesh, dataclasses.replace(base, exchange_tile=t)) for t in tiles]
+    runs += [
+        (f"mesh_1_tile{t}_programs{c}", mesh,
+         dataclasses.replace(base, exchange_tile=t, exchange_programs=c))
+        for t in tiles
+        for c in programs
+    ]  # fmt: skip
     for name, m, cfg in runs:
         fwd = jax.jit(lambda x, p, m=m, cfg=cfg: moe(x, p, cfg, mesh=m))
 
@@ -163,10 +213,15 @@ def _layer(tiles: tuple[int, ...]) -> dict:
     return record
 
 
-def _run_one(name: str, tiles: tuple[int, ...]) -> None:
+def _run_one(name: str, tiles: tuple[int, ...], programs: tuple[int, ...]) -> None:
     record = {"probe": name}
     start = time.perf_counter()
-    record.update(_layer(tiles) if name == "layer" else globals()[f"_{name}"]())
+    if name == "layer":
+        record.update(_layer(tiles, programs))
+    elif name == "overlap":
+        record.update(_overlap(tuple(c for c in programs if c)))
+    else:
+        record.update(globals()[f"_{name}"]())
     record["seconds"] = time.perf_counter() - start
     print(json.dumps(record))
 
@@ -177,15 +232,19 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--only", choices=PROBES)
     parser.add_argument("--tiles", default="64", help="layer: exchange tiles, comma-separated")
+    parser.add_argument(
+        "--programs", default="16", help="overlap, layer: copy programs, comma-separated"
+    )
     parser.add_argument("--child", choices=PROBES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        _run_one(args.child, tuple(int(t) for t in args.tiles.split(",")))
+        ints = lambda text: tuple(int(v) for v in text.split(","))  # noqa: E731
+        _run_one(args.child, ints(args.tiles), ints(args.programs))
         return
     records = []
     for name in [args.only] if args.only else PROBES:
         cmd = [sys.executable, "-m", "bench.exchange_probe", "--out", "-", "--child", name,
-               "--tiles", args.tiles]  # fmt: skip
+               "--tiles", args.tiles, "--programs", args.programs]  # fmt: skip
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
             lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]

@@ -159,6 +159,12 @@ class MoEConfig:
         which the GEMMs can start on arrived rows, once overlapped). y and dx do not depend on
         it (a row's result does not depend on its tile): tested at 3 and 4 on the CPU and at
         16, 64 and 128 on one H200.
+      exchange_programs: with implementation 'fused' under a mesh, the share of the GPU given
+        to the dispatch's copies: the programs (one a streaming multiprocessor, of 132 on the
+        H200) of the first expert GEMMs' kernel that copy the round's rows to the devices that
+        own their experts, while the others run each GEMM tile as soon as its rows are in. 0:
+        the dispatch runs as its own kernel, on every SM, before the GEMMs. y and dx do not
+        depend on it.
       token_chunk: tokens per step of the token-wise stages (routing, combine, shared experts),
         which run in fixed-shape chunks of this many tokens (zero-padded, at least two) so that
         a token's bits do not depend on how many tokens a device holds; None: 8 * row_tile
@@ -206,6 +212,7 @@ class MoEConfig:
     buffer_factor: float = 2.0
     row_tile: int = 64
     exchange_tile: int = 64
+    exchange_programs: int = 16
     fused_rows: FusedRows = "copied"
     fused_residuals: FusedResiduals = "inputs"
     fused_recompute: FusedRecompute = "gmm"
@@ -258,6 +265,10 @@ class MoEConfig:
         if self.row_tile % 8:
             raise ValueError(f"row_tile={self.row_tile} must be a multiple of 8")
         put("exchange_tile", check_int("exchange_tile", self.exchange_tile, minimum=1))
+        put(
+            "exchange_programs",
+            check_int("exchange_programs", self.exchange_programs, minimum=0),
+        )
         put("dtype", compute_dtype(self.dtype))
         if self.implementation in ("pallas", "fused"):
             self._validate_pallas()

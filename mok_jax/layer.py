@@ -129,6 +129,7 @@ def _experts(
         kernel=cfg.implementation if cfg.implementation in ("pallas", "fused") else "xla",
         recompute=cfg.fused_recompute,
         exchange_tile=cfg.exchange_tile,
+        exchange_programs=cfg.exchange_programs,
     )
     weights = (params.w_gate, params.w_up, params.w_down)
     return routed_experts(x_nd, weights, plan.group_sizes_e, spec, scale_n)

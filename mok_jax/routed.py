@@ -56,6 +56,8 @@ class RoutedSpec:
         exchange inside kernels, `exchange` ignored; the rows come with their routing weights).
       recompute: with "fused", how the backward recomputes gate and up (`ops.Recompute`).
       exchange_tile: with "fused", rows per tile of the receive buffer (`MoEConfig`).
+      exchange_programs: with "fused", the programs of the first GEMMs' kernel that run the
+        dispatch's copies (0: the dispatch is its own kernel before them; `MoEConfig`).
     """
 
     axis: str | None
@@ -69,6 +71,7 @@ class RoutedSpec:
     kernel: Literal["xla", "pallas", "fused"] = "xla"
     recompute: FusedRecompute = "gmm"
     exchange_tile: int = 64
+    exchange_programs: int = 16
 
 
 def _me(spec: RoutedSpec) -> Array:
@@ -146,7 +149,6 @@ def _fused_round(r, rows, weights, plan, spec: RoutedSpec) -> Array:
     weighted results f32 [N, D] on the rows of round r (the other rows unspecified). plan:
     `_fused_plan`'s."""
     from pallas_kernels.exchange import ops as exchange_ops
-    from pallas_kernels.grouped_matmul import ops as grouped_ops
 
     x_nd, scale_n = rows
     t, moves, _ = plan
@@ -155,23 +157,24 @@ def _fused_round(r, rows, weights, plan, spec: RoutedSpec) -> Array:
     slots = exchange_protocol.num_tiles(window, tile, spec.num_local) * tile
     dispatch, back = exchange_protocol.exchange_round(t, me, r, window, tile, moves)
     group_sizes_g, _ = exchange_protocol.buffer_layout(t, me, r, window, tile)
-    # The weights as a 16-byte column (a copy moves whole 16-byte chunks); a concatenate, not
-    # a broadcast, so that the weights' gradient is the first column's, bit for bit.
-    scale_n4 = jnp.concatenate([scale_n[:, None], jnp.zeros((num_rows, 3), jnp.float32)], 1)
     # Every slot no row fills (an expert's last tile past its rows, the slots past the groups)
-    # comes out of the kernel as zeros, and so does the results' cotangent there (the
+    # comes out of the dispatch as zeros, and so does the results' cotangent there (the
     # dispatch's zero ranges): zero rows add nothing to the weights' gradients, which sum over
     # whole row tiles.
-    with jax.named_scope("dispatch"):
-        x_sd = exchange_ops.send_rows(x_nd, dispatch, back, r, slots, spec.axis)
-        scale_s = exchange_ops.send_rows(scale_n4, dispatch, back, r, slots, spec.axis)[:, 0]
-    with jax.named_scope("experts"):
-        y_sd = grouped_ops.swiglu_mlp(
-            x_sd,
+    with jax.named_scope("dispatch_experts"):
+        y_sd = exchange_ops.dispatch_mlp(
+            x_nd,
+            scale_n,
+            dispatch,
+            back,
+            r,
             *(w.astype(spec.dtype) for w in weights),
             group_sizes_g,
-            row_scale_m=scale_s,
+            out_rows=slots,
+            tile=tile,
+            axis_name=spec.axis,
             recompute=spec.recompute,
+            copy_programs=spec.exchange_programs,
             interpret=jax.default_backend() == "cpu",
         )
     # Rows of other rounds are unspecified: `_rounds` keeps each row's own round.

@@ -40,6 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.exchange.moves import Moves
+from pallas_kernels.grouped_matmul import mosaic_gpu as gmm_kernel
 from pallas_kernels.grouped_matmul import tuning
 
 # Rows a copy moves at most (a power of two), and the shared memory its stage may take.
@@ -245,7 +246,248 @@ def send_rows(
         moves.zero_size_z,
         jnp.asarray(round_index, jnp.int32).reshape(1),
     )
-    # The kernel's output type drops the mesh axes it varies over: state them again.
+    return _like(out, src_ad)
+
+
+def _like(out: Array, operand: Array) -> Array:
+    """A kernel's output, typed to vary over the mesh axes `operand` varies over (the kernel's
+    output type drops them)."""
     varying = lambda a: set(jax.typeof(a).manual_axis_type.varying)  # noqa: E731
-    missing = tuple(sorted(varying(src_ad) - varying(out)))
+    missing = tuple(sorted(varying(operand) - varying(out)))
     return lax.pcast(out, missing, to="varying") if missing else out
+
+
+# ----------------------------------------------------------------------------------------------
+# The dispatch overlapped with the first expert GEMMs: one kernel (issue 7's overlap).
+
+
+def _dispatch_swiglu_kernel(
+    schedule_ref,
+    src_ref,
+    side_ref,
+    src_p_ref,
+    dst_p_ref,
+    size_p_ref,
+    peer_p_ref,
+    round_p_ref,
+    counter_p_ref,
+    count_ref,
+    wait_ref,
+    zero_dst_ref,
+    zero_size_ref,
+    zero_first_ref,
+    zero_end_ref,
+    round_ref,
+    w_gate_ref,
+    w_up_ref,
+    buffer_ref,
+    side_out_ref,
+    h_ref,
+    *,
+    config,
+    gemm_programs: int,
+    copy_programs: int,
+    boxes: tuple[int, int],
+    tile: int,
+    num_counters: int,
+    num_zeros: int,
+    axis_name: str,
+    local: bool,
+):
+    program = lax.axis_index("sm")
+    # O1. One counter a buffer tile, for the whole kernel and every device (as in send_rows):
+    #     the copies into the tile and the zero ranges in it count there.
+    counters = pl.get_global(plgpu.SemaphoreType.REGULAR((num_counters,)))
+
+    def wait_tiles(first, end):
+        """Returns once buffer rows [first, end) are in place: each tile they touch has counted
+        its copies and zero ranges (the copies' stores completed before their signals)."""
+
+        @pl.loop(first // tile, (end + tile - 1) // tile)
+        def _wait(c):
+            pl.semaphore_wait(counters.at[c], wait_ref[c], decrement=False)
+
+    # O2. Programs [0, gemm_programs) run gmm_swiglu's tiles on the buffer, each tile once the
+    #     rows it stores are in place (its invariant 11).
+    @pl.when(program < gemm_programs)
+    def _gemm():
+        gmm_kernel.swiglu_programs(
+            schedule_ref,
+            buffer_ref,
+            w_gate_ref,
+            w_up_ref,
+            h_ref,
+            config=config,
+            programs=gemm_programs,
+            before_tile=wait_tiles,
+        )
+
+    # O3. The other programs copy, each of their warpgroups one copier with its own stage: the
+    #     zero ranges first (the GEMMs wait for the padding inside the groups), then the round's
+    #     copies, copier i taking ranges and copies i, i + copiers, ...
+    num_wg = config.num_consumers + 1
+    copiers = copy_programs * num_wg
+
+    @pl.when(program >= gemm_programs)
+    def _copy():
+        def copy_scope(stages, side_stages, loaded):
+            wg = lax.axis_index("wg")
+            copier = (program - gemm_programs) * num_wg + wg
+            stage, side_stage, done = stages.at[wg], side_stages.at[wg], loaded.at[wg]
+            round_index = round_ref[0]
+
+            @pl.when(copier < num_zeros)
+            def _zeros():
+                stage[...] = jnp.zeros(stage.shape, stage.dtype)
+                side_stage[...] = jnp.zeros(side_stage.shape, side_stage.dtype)
+                plgpu.commit_smem()
+
+                @pl.loop(copier, num_zeros, step=copiers)
+                def _zero(z):
+                    zero_rows(buffer_ref, zero_dst_ref[z], zero_size_ref[z], stage)
+                    zero_rows(side_out_ref, zero_dst_ref[z], zero_size_ref[z], side_stage)
+
+                    # The range's tiles that a GEMM tile reads for its stored rows.
+                    @pl.loop(zero_first_ref[z], zero_end_ref[z])
+                    def _signal(c):
+                        pl.semaphore_signal(counters.at[c])
+
+            @pl.loop(copier, count_ref[0], step=copiers)
+            def _copy_piece(p):
+                @pl.when(round_p_ref[p] == round_index)
+                def _send():
+                    peer = {axis_name: peer_p_ref[p]}
+                    dst = buffer_ref if local else plgpu.remote_ref(buffer_ref, peer)
+                    side_dst = side_out_ref if local else plgpu.remote_ref(side_out_ref, peer)
+                    rows = (src_p_ref[p], dst_p_ref[p], size_p_ref[p])
+                    copy_piece(src_ref, dst, *rows, stage, done)
+                    copy_piece(side_ref, side_dst, *rows, side_stage, done)
+                    sem = counters.at[counter_p_ref[p]]
+                    if local:
+                        pl.semaphore_signal(sem)
+                    else:
+                        pl.semaphore_signal(sem, device_id=peer)
+
+            # O4. The kernel returns only once every tile of this device is in place, also
+            #     those no GEMM tile waited for.
+            @pl.loop(copier, num_counters, step=copiers)
+            def _counter(c):
+                pl.semaphore_wait(counters.at[c], wait_ref[c], decrement=False)
+
+        pl.run_scoped(
+            copy_scope,
+            plgpu.SMEM((num_wg, boxes[0], src_ref.shape[1]), src_ref.dtype),
+            plgpu.SMEM((num_wg, boxes[1], side_ref.shape[1]), side_ref.dtype),
+            plgpu.Barrier(num_arrivals=1, num_barriers=num_wg),
+            collective_axes="wg",
+        )
+
+
+def _zero_signals(moves: Moves, groups_end: Array, tile: int, num_counters: int):
+    """Per zero range z, the tiles [first_z, end_z) whose counters count it: those of its rows
+    before `groups_end` (the padding inside the groups, which the GEMM stores; the slots past
+    the groups are computed and never stored). And the count each counter then waits for:
+    the protocol's arrivals plus its zero ranges."""
+    start_z, size_z = moves.zero_dst_z, moves.zero_size_z
+    end_z = jnp.minimum(start_z + size_z, groups_end)
+    signals_z = (size_z > 0) & (start_z < end_z)
+    first_z = jnp.where(signals_z, start_z // tile, 0).astype(jnp.int32)
+    last_z = jnp.where(signals_z, (end_z + tile - 1) // tile, 0).astype(jnp.int32)
+    tile_c = jnp.arange(num_counters, dtype=jnp.int32)
+    covers_zc = (first_z[:, None] <= tile_c) & (tile_c < last_z[:, None])
+    wait_c = moves.arrivals_c + jnp.sum(covers_zc, axis=0, dtype=jnp.int32)
+    return first_z, last_z, wait_c
+
+
+def dispatch_swiglu(
+    src_ad: Array,
+    side_ac: Array,
+    moves: Moves,
+    round_index: Array,
+    w_gate_gdf: Array,
+    w_up_gdf: Array,
+    group_sizes_g: Array,
+    *,
+    out_rows: int,
+    tile: int,
+    axis_name: str,
+    copy_programs: int = 16,
+) -> tuple[Array, Array, Array]:
+    """The dispatch of round `round_index` and the first expert GEMMs in one kernel, overlapped:
+    -> (buffer [out_rows, D], side [out_rows, C], h [out_rows, F]).
+
+    `copy_programs` of the kernel's programs (one a streaming multiprocessor) copy this
+    device's rows of the round into the peers' buffers as `send_rows` does (src [A, D] and,
+    with the same tables, side [A, C], a row a multiple of 16 bytes: the routing weights); the
+    others run `gmm_swiglu`'s tiles on this device's buffer, h = silu(buffer @ w_gate[g]) *
+    (buffer @ w_up[g]) for the groups `group_sizes_g` ([G], the buffer's padded expert runs),
+    each tile as soon as the buffer tiles ([tile] rows, a counter each) under its stored rows
+    have counted their copies and zero ranges. So buffer and side are `send_rows`' outputs
+    and h is `gmm_swiglu(buffer, w_gate, w_up, group_sizes_g)`, bit for bit; rows no copy or
+    zero range fills are unspecified (h's past the groups are zeros). Call inside
+    `jax.shard_map` over `axis_name`."""
+    moves.check()
+    num_src, d_model = src_ad.shape
+    if side_ac.shape[0] != num_src:
+        raise ValueError(f"side rows {side_ac.shape} must match src rows {src_ad.shape}")
+    num_counters = moves.arrivals_c.shape[0]
+    if num_counters * tile != out_rows:
+        raise ValueError(f"{num_counters} counters of {tile} rows must cover out_rows={out_rows}")
+    config = gmm_kernel.swiglu_config(f=w_gate_gdf.shape[2], dtype=src_ad.dtype)
+    programs = tuning.persistent_grid_size()
+    if not 0 < copy_programs < programs:
+        raise ValueError(f"copy_programs={copy_programs} must be in [1, {programs})")
+    # The GEMM's row tiles load whole 8-row tiles of the buffer, and a tile's box may not be
+    # taller than the buffer: the kernel's buffer has at least block_m rows, a multiple of 8
+    # (rows past out_rows: neither filled nor stored, sliced off).
+    kernel_rows = max(pl.cdiv(out_rows, 8) * 8, config.block_m)
+    boxes = (
+        stage_rows(d_model, jnp.dtype(src_ad.dtype).itemsize),
+        stage_rows(side_ac.shape[1], jnp.dtype(side_ac.dtype).itemsize),
+    )
+    groups_end = jnp.sum(group_sizes_g, dtype=jnp.int32)
+    zero_first_z, zero_end_z, wait_c = _zero_signals(moves, groups_end, tile, num_counters)
+    schedule_t4 = gmm_kernel.schedule_table(group_sizes_g, num_rows=out_rows, tile_m=config.block_m)
+    kernel = functools.partial(
+        _dispatch_swiglu_kernel,
+        config=config,
+        gemm_programs=programs - copy_programs,
+        copy_programs=copy_programs,
+        boxes=boxes,
+        tile=tile,
+        num_counters=num_counters,
+        num_zeros=moves.zero_dst_z.shape[0],
+        axis_name=axis_name,
+        local=lax.axis_size(axis_name) == 1,
+    )
+    out_types = (
+        jax.ShapeDtypeStruct((kernel_rows, d_model), src_ad.dtype),
+        jax.ShapeDtypeStruct((kernel_rows, side_ac.shape[1]), side_ac.dtype),
+        jax.ShapeDtypeStruct((kernel_rows, w_gate_gdf.shape[2]), src_ad.dtype),
+    )
+    tables = (moves.src_p, moves.dst_p, moves.size_p, moves.peer_p, moves.round_p,
+              moves.counter_p)  # fmt: skip
+    outs = plgpu.kernel(
+        kernel,
+        out_type=out_types,
+        grid=(programs,),
+        grid_names=("sm",),
+        num_threads=config.num_consumers + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )(
+        schedule_t4,
+        src_ad,
+        side_ac,
+        *tables,
+        moves.count.reshape(1),
+        wait_c,
+        moves.zero_dst_z,
+        moves.zero_size_z,
+        zero_first_z,
+        zero_end_z,
+        jnp.asarray(round_index, jnp.int32).reshape(1),
+        w_gate_gdf,
+        w_up_gdf,
+    )
+    return tuple(_like(out[:out_rows] if kernel_rows != out_rows else out, src_ad) for out in outs)

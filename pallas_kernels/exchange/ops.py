@@ -8,14 +8,18 @@ the reverse is a copy too.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Literal
 
 import jax
+import jax.numpy as jnp
 from jax import Array, lax
 
 from pallas_kernels.exchange import mosaic_gpu, reference
 from pallas_kernels.exchange.moves import Moves
+from pallas_kernels.grouped_matmul import mosaic_gpu as grouped_kernel
+from pallas_kernels.grouped_matmul import ops as grouped_ops
 
 Implementation = Literal["auto", "mosaic_gpu", "reference"]
 
@@ -69,3 +73,155 @@ def _send_rows_bwd(out_rows, axis_name, implementation, residuals, g_od):
 
 
 send_rows.defvjp(_send_rows_fwd, _send_rows_bwd)
+
+
+# ----------------------------------------------------------------------------------------------
+# The dispatch and the expert MLP: the dispatch overlapped with the first GEMMs.
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _MlpStatic:
+    out_rows: int
+    tile: int
+    axis_name: str
+    recompute: grouped_ops.Recompute
+    copy_programs: int
+    interpret: bool
+
+
+def _dispatch_gate_up(static: _MlpStatic, x_nd, scale_n, moves, round_index, w_gate, w_up,
+                      group_sizes):  # fmt: skip
+    """(buffer [S, D], routing weights [S], h [S, F]) of the round: by the overlapped kernel
+    (copy_programs > 0), by the exchange kernel then gmm_swiglu (0), or with `interpret` (the
+    CPU) by `send_rows` (its spec there) then gmm_swiglu in interpret mode."""
+    # The weights as a 16-byte column (a copy moves whole 16-byte chunks); a concatenate, not
+    # a broadcast, so that their gradient is the first column's, bit for bit.
+    scale_n4 = jnp.concatenate([scale_n[:, None], jnp.zeros((scale_n.shape[0], 3), jnp.float32)], 1)
+    send = functools.partial(
+        _send, out_rows=static.out_rows, axis_name=static.axis_name, implementation="auto"
+    )
+
+    def separate(interpret: bool):
+        def run(x_nd, scale_n4, moves, round_index, w_gate, w_up, group_sizes):
+            buffer = send(x_nd, moves, round_index)
+            side = send(scale_n4, moves, round_index)
+            h = grouped_kernel.gmm_swiglu(buffer, w_gate, w_up, group_sizes, interpret=interpret)
+            return buffer, side, grouped_ops.like(h, buffer)
+
+        return run
+
+    def overlapped(x_nd, scale_n4, moves, round_index, w_gate, w_up, group_sizes):
+        return mosaic_gpu.dispatch_swiglu(
+            x_nd,
+            scale_n4,
+            moves,
+            round_index,
+            w_gate,
+            w_up,
+            group_sizes,
+            out_rows=static.out_rows,
+            tile=static.tile,
+            axis_name=static.axis_name,
+            copy_programs=static.copy_programs,
+        )
+
+    if static.interpret:
+        run = separate(interpret=True)
+    else:
+        run = overlapped if static.copy_programs else separate(interpret=False)
+    buffer, side, h = run(x_nd, scale_n4, moves, round_index, w_gate, w_up, group_sizes)
+    return buffer, side[:, 0], h
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _dispatch_mlp(static, x_nd, scale_n, moves, back, round_index, w_gate, w_up, w_down,
+                  group_sizes):  # fmt: skip
+    return _dispatch_mlp_fwd(static, x_nd, scale_n, moves, back, round_index, w_gate, w_up,
+                             w_down, group_sizes)[0]  # fmt: skip
+
+
+def _dispatch_mlp_fwd(static, x_nd, scale_n, moves, back, round_index, w_gate, w_up, w_down,
+                      group_sizes):  # fmt: skip
+    buffer, scale_s, h = _dispatch_gate_up(
+        static, x_nd, scale_n, moves, round_index, w_gate, w_up, group_sizes
+    )
+    y = grouped_kernel.gmm(
+        h,
+        w_down,
+        group_sizes,
+        row_scale_m=scale_s,
+        out_dtype=jnp.float32,
+        interpret=static.interpret,
+    )
+    residuals = (buffer, scale_s, w_gate, w_up, w_down, group_sizes, back, round_index,
+                 x_nd.shape[0])  # fmt: skip
+    return grouped_ops.like(y, buffer), residuals
+
+
+def _dispatch_mlp_bwd(static, residuals, dy):
+    buffer, scale_s, w_gate, w_up, w_down, group_sizes, back, round_index, num_rows = residuals
+    d_buffer, d_w_gate, d_w_up, d_w_down, _, d_scale_s = grouped_ops.swiglu_mlp_grads(
+        buffer,
+        w_gate,
+        w_up,
+        w_down,
+        group_sizes,
+        scale_s,
+        dy,
+        recompute=static.recompute,
+        interpret=static.interpret,
+    )
+    # The copies back: each row's gradient from the slot it was copied to.
+    d_scale_s4 = jnp.concatenate([d_scale_s[:, None], jnp.zeros((d_scale_s.shape[0], 3),
+                                                                 jnp.float32)], 1)  # fmt: skip
+    send_back = functools.partial(
+        _send, out_rows=num_rows, axis_name=static.axis_name, implementation="auto"
+    )
+    d_x = send_back(d_buffer, back, round_index)
+    d_scale = send_back(d_scale_s4, back, round_index)[:, 0]
+    return d_x, d_scale, None, None, None, d_w_gate, d_w_up, d_w_down, None
+
+
+_dispatch_mlp.defvjp(_dispatch_mlp_fwd, _dispatch_mlp_bwd)
+
+
+def dispatch_mlp(
+    x_nd: Array,
+    scale_n: Array,
+    moves: Moves,
+    back: Moves,
+    round_index: Array,
+    w_gate_gdf: Array,
+    w_up_gdf: Array,
+    w_down_gfd: Array,
+    group_sizes_g: Array,
+    *,
+    out_rows: int,
+    tile: int,
+    axis_name: str,
+    recompute: grouped_ops.Recompute = "gmm",
+    copy_programs: int = 16,
+    interpret: bool = False,
+) -> Array:
+    """Round `round_index` of the dispatch and the expert MLP: this device's rows x [N, D] with
+    their routing weights scale f32 [N] -> the results f32 [out_rows, D] in its buffer, slot
+    by slot (inside `jax.shard_map` over `axis_name`).
+
+    The rows travel as `send_rows(x, moves, back, ...)` sends them (the buffer's `tile`-row
+    tiles counting their copies), and the buffer's rows, grouped by `group_sizes_g` ([G], the
+    padded expert runs), go through `grouped_ops.swiglu_mlp` with the weights as its row
+    scale: the result is theirs, bit for bit, and so are the gradients (the MLP's, then the
+    copies back along `back`). With copy_programs > 0 the dispatch runs inside the first
+    GEMMs' kernel (`mosaic_gpu.dispatch_swiglu`: that many of its programs copy while the
+    others compute each tile as soon as its rows are in), with 0 as its own kernel before
+    them. With `interpret` (for the CPU) the copies are `send_rows` (there its spec,
+    reference.py) and the GEMMs run in Mosaic GPU's interpret mode."""
+    if copy_programs < 0:
+        raise ValueError(f"copy_programs={copy_programs} must be >= 0")
+    if recompute not in grouped_ops.RECOMPUTES:
+        raise ValueError(f"recompute={recompute!r} must be one of {grouped_ops.RECOMPUTES}")
+    static = _MlpStatic(out_rows=out_rows, tile=tile, axis_name=axis_name, recompute=recompute,
+                        copy_programs=copy_programs, interpret=interpret)  # fmt: skip
+    w_gate_gdf, w_up_gdf, w_down_gfd = grouped_ops.vary_alike(w_gate_gdf, w_up_gdf, w_down_gfd)
+    return _dispatch_mlp(static, x_nd, scale_n, moves, back, round_index, w_gate_gdf, w_up_gdf,
+                         w_down_gfd, group_sizes_g)  # fmt: skip

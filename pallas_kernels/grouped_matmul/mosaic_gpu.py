@@ -97,6 +97,14 @@ Invariants (numbered; the tests check each):
      that stores the row (its group's, as invariant 2 picks it) and sums them in a fixed order
      (one reduction of a static shape), no atomics
      (test_gmm_swiglu_bwd_has_no_races_and_owns_each_partial_once).
+ 11. A kernel may run this body in its first `programs` programs only (`swiglu_programs`: the
+     exchange's dispatch runs its copies in the others). The tiles are then dealt to those
+     programs as they would be to a grid of that size (program p < programs gets the tiles
+     p, p + programs, ...; the rest none), and before a tile's first load the producer waits
+     (`before_tile`) until the lhs rows the tile stores are in place. Rows a tile loads and
+     does not store may still be arriving: invariant 4 computes them and never stores them.
+     Every program of such a kernel must be resident at once (a grid of at most one program
+     a streaming multiprocessor), so that a wait never waits on a program not yet started.
 """
 
 from __future__ import annotations
@@ -104,6 +112,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -234,7 +243,13 @@ def _kernel(
     num_outs: int = 1,
     rhs_k_parts: int = 1,
     swiglu_bwd: bool = False,
+    programs: int | None = None,
+    before_tile: Callable[[Array, Array], None] | None = None,
 ):
+    # programs: the programs of the "sm" axis that run output tiles (None: all of them); a
+    # kernel that gives its other programs other work calls this body from the first
+    # `programs` only (invariant 11). before_tile(first, end): the producer's wait for lhs rows
+    # [first, end), which a tile stores, before its first load.
     # swiglu_bwd (invariant 10): a second lhs (dy) and three rhs (w_gate, w_up with lhs, w_down
     # transposed with dy); the outputs h, [d_gate | d_up] and the d_s partial sums.
     dy_ref, refs = (refs[0], refs[1:]) if swiglu_bwd else (None, refs)
@@ -327,7 +342,7 @@ def _kernel(
         runs its K loop (in every CTA of a cluster alike, invariant 7); [lo, hi): the rows of
         this CTA's tile it stores."""
 
-        @ring.prefetching_loop(num_tiles, fetch, axis="sm")
+        @ring.prefetching_loop(num_tiles, fetch, axis="sm", programs=programs)
         def steps(lin, step0, values):
             mi, ni = tile_coords(lin)
             group, row0, lo, hi = values
@@ -416,10 +431,13 @@ def _kernel(
 
             @tile_loop
             def num_steps(mi, ni, group, row0, lo, hi, runs, step0):
-                del mi, lo, hi
+                del mi
 
                 @pl.when(runs)
                 def _load_tile():
+                    if before_tile is not None:
+                        before_tile(row0 + lo, row0 + hi)
+
                     @pl.loop(0, k_steps)
                     def _load_step(k):
                         slot = ring.acquire_stage(consumed, step=step0 + k, stages=stages)
@@ -828,6 +846,66 @@ def _interpret_params(interpret: bool | plgpu.InterpretGPUParams):
     return plgpu.InterpretGPUParams() if interpret else None
 
 
+def schedule_table(group_sizes_g: Array, *, num_rows: int, tile_m: int) -> Array:
+    """int32 [T, 4]: per row tile of `tile_schedule`, its group, first row and the rows
+    [lo, hi) of it that it stores; one table, so that a tile needs four independent scalar
+    loads (no dependent ones)."""
+    group_t, row0_t = tile_schedule(group_sizes_g, num_rows=num_rows, block_m=tile_m)
+    starts_x, ends_x = group_bounds(group_sizes_g, num_rows=num_rows)
+    lo_t = jnp.clip(starts_x[group_t] - row0_t, 0, tile_m)
+    hi_t = jnp.clip(ends_x[group_t] - row0_t, 0, tile_m)
+    return jnp.stack([group_t, row0_t, lo_t, hi_t], axis=1).astype(jnp.int32)
+
+
+def swiglu_config(*, f: int, dtype) -> TileConfig:
+    """The tiles `swiglu_programs` runs: `gmm_swiglu`'s default for F = f, without clusters (a
+    kernel whose programs do different work cannot pair them). Clusters give the single-CTA
+    bits (invariant 7), so its h is `gmm_swiglu`'s, bit for bit."""
+    config = default_config(n=f, dtype=dtype, swiglu=True)
+    return dataclasses.replace(config, cluster_m=1, cluster_n=1)
+
+
+def swiglu_programs(
+    schedule_ref,
+    lhs_ref,
+    w_gate_ref,
+    w_up_ref,
+    h_ref,
+    *,
+    config: TileConfig,
+    programs: int,
+    before_tile: Callable[[Array, Array], None],
+) -> None:
+    """`gmm_swiglu`'s kernel body in programs [0, programs) of a kernel of more programs (its
+    grid axis named "sm", warpgroups "wg", num_consumers + 1 of them, Warpgroup semantics),
+    whose other programs do other work: the exchange's dispatch, which fills lhs while the
+    tiles run (pallas_kernels/exchange). Call it in those programs only (invariant 11).
+
+    schedule_ref [T, 4] is `schedule_table(group_sizes, num_rows=M, tile_m=config.block_m)`;
+    lhs [M', D] (M' >= max(M, block_m), a multiple of 8), w_gate and w_up [G, D, F], h
+    [M', F]: as `gmm_swiglu` computes them, rows past M unspecified. `before_tile(first,
+    end)` runs in the producer before a tile's first load and returns once lhs rows
+    [first, end), the rows the tile stores, are in place."""
+    _kernel(
+        schedule_ref,
+        lhs_ref,
+        w_gate_ref,
+        w_up_ref,
+        h_ref,
+        config=config,
+        num_groups=w_gate_ref.shape[0],
+        num_tiles_m=schedule_ref.shape[0],
+        transpose_rhs=False,
+        num_rhs=2,
+        has_row_scale=False,
+        swiglu=True,
+        gather_rows=False,
+        interpret=False,
+        programs=programs,
+        before_tile=before_tile,
+    )
+
+
 def _grouped_call(
     lhs_mk: Array,
     rhs: tuple[Array, ...],
@@ -875,13 +953,7 @@ def _grouped_call(
             lhs_mk = jnp.pad(lhs_mk, ((0, out_rows - num_rows), (0, 0)))
     if swiglu_bwd:
         gathered = [jnp.pad(dy_mk, ((0, out_rows - num_rows), (0, 0)))]
-    group_t, row0_t = tile_schedule(group_sizes_g, num_rows=num_rows, block_m=tile_m)
-    starts_x, ends_x = group_bounds(group_sizes_g, num_rows=num_rows)
-    # Per row tile: its group, first row and the rows [lo, hi) of it that it stores, one
-    # [T, 4] table, so that a tile needs four independent scalar loads (no dependent ones).
-    lo_t = jnp.clip(starts_x[group_t] - row0_t, 0, tile_m)
-    hi_t = jnp.clip(ends_x[group_t] - row0_t, 0, tile_m)
-    schedule_t4 = jnp.stack([group_t, row0_t, lo_t, hi_t], axis=1).astype(jnp.int32)
+    schedule_t4 = schedule_table(group_sizes_g, num_rows=num_rows, tile_m=tile_m)
     operands = [schedule_t4, lhs_mk, *gathered, *rhs]
     if row_scale_m is not None:
         # Scales are read for whole tiles (with cluster_m, a pair's): pad so that the last
@@ -893,7 +965,7 @@ def _grouped_call(
         _kernel,
         config=config,
         num_groups=num_groups,
-        num_tiles_m=group_t.shape[0],
+        num_tiles_m=schedule_t4.shape[0],
         transpose_rhs=transpose_rhs,
         num_rhs=len(rhs) // rhs_k_parts,
         has_row_scale=row_scale_m is not None,
@@ -910,7 +982,7 @@ def _grouped_call(
         # tile, or each consumer's half of one), per row of the tile (invariant 10).
         owners = (n // config.block_n) * (1 if config.consumer_dim == "m" else config.num_consumers)
         out_types = (out_type, jax.ShapeDtypeStruct((out_rows, 2 * n), out_dtype)) + (
-            (jax.ShapeDtypeStruct((group_t.shape[0], owners, block_m), jnp.float32),)
+            (jax.ShapeDtypeStruct((schedule_t4.shape[0], owners, block_m), jnp.float32),)
             if num_outs == 3
             else ()
         )
@@ -1203,5 +1275,8 @@ __all__ = [
     "gmm_swiglu",
     "gmm_swiglu_bwd",
     "group_bounds",
+    "schedule_table",
+    "swiglu_config",
+    "swiglu_programs",
     "tile_schedule",
 ]

@@ -33,9 +33,9 @@ gradient. Every kernel call uses the defaults table's tiles (`tuning.py`).
 
 Inside `jax.shard_map` a kernel's output is typed as invariant over the mesh axes whatever its
 inputs, and a custom VJP's cotangents must have their primal's type. So the public functions
-first make every operand vary over the axes any of them varies over (`_vary_alike`: the
+first make every operand vary over the axes any of them varies over (`vary_alike`: the
 gradient of an operand made to vary comes back summed over those axes), and every kernel
-result is made to vary over them too (`_like`). Outside shard_map both are no-ops.
+result is made to vary over them too (`like`). Outside shard_map both are no-ops.
 """
 
 from __future__ import annotations
@@ -82,13 +82,13 @@ def _vary(a: Array, axes: frozenset[str]) -> Array:
     return lax.pcast(a, missing, to="varying") if missing else a
 
 
-def _vary_alike(*arrays: Array | None) -> tuple[Array | None, ...]:
+def vary_alike(*arrays: Array | None) -> tuple[Array | None, ...]:
     """The arrays, each made to vary over every mesh axis one of them varies over."""
     axes = frozenset().union(*(_varying(a) for a in arrays if a is not None))
     return tuple(None if a is None else _vary(a, axes) for a in arrays)
 
 
-def _like(out: Array, operand: Array) -> Array:
+def like(out: Array, operand: Array) -> Array:
     """A kernel's output, typed to vary over the mesh axes `operand` varies over."""
     return _vary(out, _varying(operand))
 
@@ -107,7 +107,7 @@ def _gmm(static: _Static, lhs, rhs, group_sizes):
         out_dtype=static.out_dtype,
         interpret=static.interpret,
     )
-    return _like(out, lhs)
+    return like(out, lhs)
 
 
 def _gmm_fwd(static, lhs, rhs, group_sizes):
@@ -124,7 +124,7 @@ def _gmm_bwd(static, residuals, dy):
         d_rhs = tgmm(dy, lhs, group_sizes, out_dtype=rhs.dtype, interpret=static.interpret)
     else:
         d_rhs = tgmm(lhs, dy, group_sizes, out_dtype=rhs.dtype, interpret=static.interpret)
-    return _like(d_lhs, lhs), _like(d_rhs, rhs), None
+    return like(d_lhs, lhs), like(d_rhs, rhs), None
 
 
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)
@@ -144,7 +144,7 @@ def _gmm_scaled(static: _Static, lhs, rhs, group_sizes, row_scale):
         out_dtype=jnp.float32,
         interpret=static.interpret,
     )
-    return _like(out, lhs)
+    return like(out, lhs)
 
 
 def _gmm_scaled_fwd(static, lhs, rhs, group_sizes, row_scale):
@@ -156,14 +156,14 @@ def _gmm_scaled_bwd(static, residuals, dy):
     lhs, rhs, group_sizes, row_scale = residuals
     run = functools.partial(mosaic_gpu.gmm, interpret=static.interpret)
     # d_s = rowsum(dy * (lhs @ rhs[g])) in f32, from the recomputed unscaled output.
-    unscaled = _like(run(lhs, rhs, group_sizes, out_dtype=jnp.float32), lhs)
+    unscaled = like(run(lhs, rhs, group_sizes, out_dtype=jnp.float32), lhs)
     d_scale = jnp.sum(dy.astype(jnp.float32) * unscaled, axis=1)
     dy_c = dy.astype(lhs.dtype)
     # d_lhs = s * (dy @ rhs[g].T): the scale in the epilogue, in f32, before the cast.
     d_lhs = run(dy_c, rhs, group_sizes, transpose_rhs=True, row_scale_m=row_scale)
     scaled_dy = (dy.astype(jnp.float32) * row_scale[:, None]).astype(lhs.dtype)
     d_rhs = tgmm(lhs, scaled_dy, group_sizes, out_dtype=rhs.dtype, interpret=static.interpret)
-    return _like(d_lhs, lhs), _like(d_rhs, rhs), None, d_scale
+    return like(d_lhs, lhs), like(d_rhs, rhs), None, d_scale
 
 
 _gmm_scaled.defvjp(_gmm_scaled_fwd, _gmm_scaled_bwd)
@@ -184,14 +184,14 @@ def gmm(
     and the scale gets a gradient too (not with transpose_rhs)."""
     if row_scale_m is None:
         static = _Static(transpose_rhs=transpose_rhs, out_dtype=out_dtype, interpret=interpret)
-        return _gmm(static, *_vary_alike(lhs_mk, rhs_gkn, group_sizes_g))
+        return _gmm(static, *vary_alike(lhs_mk, rhs_gkn, group_sizes_g))
     if transpose_rhs:
         raise ValueError("row_scale_m is supported with transpose_rhs=False only")
     if out_dtype is not None and jnp.dtype(out_dtype) != jnp.float32:
         raise ValueError(
             f"with row_scale_m the output is float32, got out_dtype={jnp.dtype(out_dtype).name}"
         )
-    operands = _vary_alike(lhs_mk, rhs_gkn, group_sizes_g, row_scale_m)
+    operands = vary_alike(lhs_mk, rhs_gkn, group_sizes_g, row_scale_m)
     return _gmm_scaled(_Static(interpret=interpret), *operands)
 
 
@@ -202,7 +202,7 @@ def gmm(
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _gmm_swiglu(static: _Static, lhs, w_gate, w_up, group_sizes):
     out = mosaic_gpu.gmm_swiglu(lhs, w_gate, w_up, group_sizes, interpret=static.interpret)
-    return _like(out, lhs)
+    return like(out, lhs)
 
 
 def _gmm_swiglu_fwd(static, lhs, w_gate, w_up, group_sizes):
@@ -213,7 +213,7 @@ def _gmm_swiglu_fwd(static, lhs, w_gate, w_up, group_sizes):
 def _gate_up(static, lhs, w_gate, w_up, group_sizes) -> tuple[Array, Array]:
     """The f32 gate and up projections (recomputed for a backward)."""
     run = functools.partial(mosaic_gpu.gmm, out_dtype=jnp.float32, interpret=static.interpret)
-    return _like(run(lhs, w_gate, group_sizes), lhs), _like(run(lhs, w_up, group_sizes), lhs)
+    return like(run(lhs, w_gate, group_sizes), lhs), like(run(lhs, w_up, group_sizes), lhs)
 
 
 def _gmm_swiglu_bwd(static, residuals, dh):
@@ -245,7 +245,7 @@ def _gate_up_grads(static, residuals, d_gate_up):
     d_w_gate, d_w_up = tgmm(
         lhs, d_gate_up, group_sizes, out_dtype=w_gate.dtype, out_parts=2, interpret=static.interpret
     )
-    return _like(d_lhs, lhs), _like(d_w_gate, w_gate), _like(d_w_up, w_up)
+    return like(d_lhs, lhs), like(d_w_gate, w_gate), like(d_w_up, w_up)
 
 
 _gmm_swiglu.defvjp(_gmm_swiglu_fwd, _gmm_swiglu_bwd)
@@ -261,7 +261,7 @@ def gmm_swiglu(
 ) -> Array:
     """Differentiable `mosaic_gpu.gmm_swiglu`: silu(lhs @ w_gate[g]) * (lhs @ w_up[g]) -> [M, F]
     in lhs dtype."""
-    operands = _vary_alike(lhs_mk, w_gate_gkf, w_up_gkf, group_sizes_g)
+    operands = vary_alike(lhs_mk, w_gate_gkf, w_up_gkf, group_sizes_g)
     return _gmm_swiglu(_Static(interpret=interpret), *operands)
 
 
@@ -280,7 +280,7 @@ def _swiglu_mlp(static: _Static, lhs, w_gate, w_up, w_down, group_sizes, row_sca
         out_dtype=jnp.float32,
         interpret=static.interpret,
     )
-    return _like(out, lhs)
+    return like(out, lhs)
 
 
 def _swiglu_mlp_fwd(static, *operands):
@@ -336,18 +336,18 @@ def swiglu_mlp_grads(
             row_scale_m=None if row_scale is None else row_scale.astype(jnp.float32),
             interpret=interpret,
         )
-        h, d_gate_up = _like(h, lhs), _like(d_gate_up, lhs)
-        d_scale = None if d_scale is None else _like(d_scale, lhs)
+        h, d_gate_up = like(h, lhs), like(d_gate_up, lhs)
+        d_scale = None if d_scale is None else like(d_scale, lhs)
         d_w_down = tgmm(h, dy_down, group_sizes, out_dtype=w_down.dtype, interpret=interpret)
         d_lhs, d_w_gate, d_w_up = _gate_up_grads(
             static, (lhs, w_gate, w_up, group_sizes), d_gate_up
         )
-        return d_lhs, d_w_gate, d_w_up, _like(d_w_down, w_down), None, d_scale
+        return d_lhs, d_w_gate, d_w_up, like(d_w_down, w_down), None, d_scale
     # h, gate and up recomputed above, or the forward's (gmm_swiglu(gate_up_out=True)).
     h, gate, up = saved
     gate, up = gate.astype(jnp.float32), up.astype(jnp.float32)
     # g = dy @ w_down[g].T in f32: dh without the row scale.
-    g = _like(
+    g = like(
         mosaic_gpu.gmm(
             dy_c,
             w_down,
@@ -368,7 +368,7 @@ def swiglu_mlp_grads(
     d_lhs, d_w_gate, d_w_up, _ = _swiglu_input_grads(
         static, (lhs, w_gate, w_up, group_sizes), gate, up, dh
     )
-    return d_lhs, d_w_gate, d_w_up, _like(d_w_down, w_down), None, d_scale
+    return d_lhs, d_w_gate, d_w_up, like(d_w_down, w_down), None, d_scale
 
 
 _swiglu_mlp.defvjp(_swiglu_mlp_fwd, _swiglu_mlp_bwd)
@@ -392,5 +392,5 @@ def swiglu_mlp(
     recomputation as `recompute` says (`Recompute`)."""
     if recompute not in RECOMPUTES:
         raise ValueError(f"recompute={recompute!r} must be one of {RECOMPUTES}")
-    operands = _vary_alike(lhs_mk, w_gate_gkf, w_up_gkf, w_down_gfk, group_sizes_g, row_scale_m)
+    operands = vary_alike(lhs_mk, w_gate_gkf, w_up_gkf, w_down_gfk, group_sizes_g, row_scale_m)
     return _swiglu_mlp(_Static(interpret=interpret, recompute=recompute), *operands)

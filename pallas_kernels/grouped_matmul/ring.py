@@ -29,31 +29,49 @@ def consumer_registers(num_consumers: int) -> int:
 
 
 def prefetching_loop(
-    num_items: int, fetch: Callable[[Any], tuple], *, axis: str
+    num_items: int, fetch: Callable[[Any], tuple], *, axis: str, programs: int | None = None
 ) -> Callable[[Callable[..., Any]], Any]:
     """A loop over this program's items that loads each item's scalars one item ahead.
 
     Decorates `body(item, steps, values) -> steps`: it runs item `item` after `steps` ring
     steps and returns the count after it; `values = fetch(item)` (a tuple of scalar GMEM
-    loads). nd_loop gives program p of P (the size of `axis`) the items p, p + P, p + 2P, ...;
-    at the top of each item the next one's values are loaded and carried to it. A GPU load
-    stalls only at the first use of its value, one item later, so only the first item's load
-    is waited for. Indices past the last item are clamped (the values are then unused).
-    Returns the program's step count after its last item.
+    loads). Program p of P gets the items p, p + P, p + 2P, ...; at the top of each item the
+    next one's values are loaded and carried to it. A GPU load stalls only at the first use of
+    its value, one item later, so only the first item's load is waited for. Indices past the
+    last item are clamped (the values are then unused). Returns the program's step count
+    after its last item.
+
+    P is the size of `axis` (nd_loop deals the items), or `programs`: then only the first
+    `programs` programs of the axis take items (a kernel whose other programs do other work,
+    such as the exchange's copies), and a program p >= programs must not enter the loop.
     """
 
     def clamped_fetch(item):
         return fetch(jnp.minimum(item, num_items - 1))
 
     def decorator(body):
-        def step(loop_info: plgpu.NDLoopInfo, carry):
+        first = (jnp.int32(0), clamped_fetch(lax.axis_index(axis)))
+        if programs is None:
+
+            def step(loop_info: plgpu.NDLoopInfo, carry):
+                steps, values = carry
+                (item,) = loop_info.index
+                upcoming = clamped_fetch(item + lax.axis_size(axis))
+                return body(item, steps, values), upcoming
+
+            steps, _ = plgpu.nd_loop((num_items,), collective_axes=axis, init_carry=first)(step)
+            return steps
+
+        program = lax.axis_index(axis)
+        trips = jnp.maximum(num_items - program + programs - 1, 0) // programs
+
+        def dealt_step(i, carry):
             steps, values = carry
-            (item,) = loop_info.index
-            upcoming = clamped_fetch(item + lax.axis_size(axis))
+            item = program + i * programs
+            upcoming = clamped_fetch(item + programs)
             return body(item, steps, values), upcoming
 
-        first = (jnp.int32(0), clamped_fetch(lax.axis_index(axis)))
-        steps, _ = plgpu.nd_loop((num_items,), collective_axes=axis, init_carry=first)(step)
+        steps, _ = lax.fori_loop(0, trips, dealt_step, first)
         return steps
 
     return decorator

@@ -316,3 +316,130 @@ def test_gpu_dispatch_and_return_place_every_row(num_local, num_rows, window, ti
             mine = np.asarray(xp.row_places(t, jnp.int32(s), num_rows, window, tile).round_n) == r
             got = back.reshape(num_devices, num_rows, -1)[s][mine]
             chex.assert_trees_all_equal(got, rows[s][mine])
+
+
+# ---------------------------------------------------------------------------------------------
+# The dispatch overlapped with the first GEMMs (`dispatch_swiglu`).
+
+
+def dispatch_swiglu_fn(num_local, num_rows, window, tile, *, copy_programs: int):
+    """(x [EP * N, D], scale [EP * N, 4], w_gate, w_up [EP * G, D, F], counts [EP, E], round [])
+    -> (buffer [EP * S, D], side [EP * S, 4], h [EP * S, F]) inside shard_map: the round's
+    dispatch and gate/up by the overlapped kernel (copy_programs > 0), or by `send_rows` then
+    `gmm_swiglu` (0)."""
+    from pallas_kernels.grouped_matmul import mosaic_gpu as grouped
+
+    slots = xp.num_tiles(window, tile, num_local) * tile
+
+    def body(x, side, w_gate, w_up, counts_se, round_index):
+        me = jax.lax.axis_index(AXIS)
+        t = exchange.traffic(counts_se, num_local)
+        dispatch, _ = xp.exchange_moves(t, me, round_index, num_rows, window, tile)
+        group_sizes, _ = xp.buffer_layout(t, me, round_index, window, tile)
+        if copy_programs:
+            return mosaic_gpu.dispatch_swiglu(
+                x, side, dispatch, round_index, w_gate, w_up, group_sizes, out_rows=slots,
+                tile=tile, axis_name=AXIS, copy_programs=copy_programs,
+            )  # fmt: skip
+        send = functools.partial(mosaic_gpu.send_rows, axis_name=AXIS, out_rows=slots)
+        buf = send(x, dispatch, round_index)
+        h = grouped.gmm_swiglu(buf, w_gate, w_up, group_sizes)
+        return buf, send(side, dispatch, round_index), mosaic_gpu._like(h, buf)
+
+    return body, slots
+
+
+def dispatch_swiglu_inputs(mesh, num_local, num_rows, d_model, d_ff, seed=0):
+    """Random (x, side, w_gate, w_up) for dispatch_swiglu_fn, placed on `mesh`."""
+    num_devices = mesh.devices.size
+    keys = jax.random.split(jax.random.key(seed), 4)
+    x = jax.random.normal(keys[0], (num_devices * num_rows, d_model), jnp.float32)
+    side = jax.random.uniform(keys[1], (num_devices * num_rows, 4), jnp.float32)
+    w = [
+        (jax.random.normal(k, (num_devices * num_local, d_model, d_ff)) / d_model**0.5)
+        for k in keys[2:]
+    ]
+    put = lambda a: jax.device_put(a, jax.NamedSharding(mesh, P(AXIS)))  # noqa: E731
+    return put(x.astype(jnp.bfloat16)), put(side), *(put(a.astype(jnp.bfloat16)) for a in w)
+
+
+def test_dispatch_swiglu_lowers_for_cuda_inside_shard_map_on_8_devices():
+    """One kernel for the dispatch of the rows and their weights and the gate/up GEMMs, its
+    peers addressed through XLA's collective metadata, its U tile counters one set for the
+    kernel; bad arguments raise."""
+    num_devices, num_local, num_rows, window, tile = 8, 4, 512, 640, 64
+    d_model, d_ff = 2048, 768
+    mesh = jax.make_mesh((num_devices,), (AXIS,))
+    body, _ = dispatch_swiglu_fn(num_local, num_rows, window, tile, copy_programs=16)
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS),) * 4 + (P(), P()),
+                               out_specs=(P(AXIS),) * 3))  # fmt: skip
+    sharded = lambda shape, dtype, spec: jax.ShapeDtypeStruct(  # noqa: E731
+        shape, dtype, sharding=jax.NamedSharding(mesh, spec)
+    )
+    args = (
+        sharded((num_devices * num_rows, d_model), jnp.bfloat16, P(AXIS)),
+        sharded((num_devices * num_rows, 4), jnp.float32, P(AXIS)),
+        sharded((num_devices * num_local, d_model, d_ff), jnp.bfloat16, P(AXIS)),
+        sharded((num_devices * num_local, d_model, d_ff), jnp.bfloat16, P(AXIS)),
+        sharded((num_devices, num_devices * num_local), jnp.int32, P()),
+        sharded((), jnp.int32, P()),
+    )
+    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
+    assert "uses_xla_collective_metadata = true" in text
+    assert "skip_device_barrier = false" in text
+    num_tiles = xp.num_tiles(window, tile, num_local)
+    assert re.search(rf"dims = \[\] : \(tensor<i32>\) -> tensor<{num_tiles}xi32>", text)
+    # Every program copying (no GEMM program left), or more programs than SMs: refused.
+    for programs in (132, 500):
+        bad, _ = dispatch_swiglu_fn(num_local, num_rows, window, tile, copy_programs=programs)
+        bad = jax.jit(jax.shard_map(bad, mesh=mesh, in_specs=(P(AXIS),) * 4 + (P(), P()),
+                                    out_specs=(P(AXIS),) * 3))  # fmt: skip
+        with pytest.raises(ValueError, match="copy_programs"):
+            bad.trace(*args)
+
+
+def test_zero_signals_count_the_padding_inside_the_groups():
+    """A zero range counts on the tiles of its rows before the groups' end (the padding the
+    GEMMs store), never on those past it; each counter then waits for its copies plus them."""
+    zero_dst = jnp.asarray([5, 16, 30, 0], jnp.int32)
+    zero_size = jnp.asarray([3, 8, 10, 0], jnp.int32)
+    moves = Moves(*(jnp.zeros((2,), jnp.int32),) * 6, count=jnp.int32(0),
+                  arrivals_c=jnp.asarray([1, 2, 0, 1, 0], jnp.int32),
+                  zero_dst_z=zero_dst, zero_size_z=zero_size)  # fmt: skip
+    # tile 8, groups end at row 32: [5, 8) -> tile 0; [16, 24) -> tile 2; [30, 32) of [30, 40)
+    # -> tile 3; the empty range -> none.
+    first, end, wait = mosaic_gpu._zero_signals(moves, jnp.int32(32), 8, 5)
+    chex.assert_trees_all_equal(first, jnp.asarray([0, 2, 3, 0], jnp.int32))
+    chex.assert_trees_all_equal(end, jnp.asarray([1, 3, 4, 0], jnp.int32))
+    chex.assert_trees_all_equal(wait, jnp.asarray([2, 2, 1, 2, 0], jnp.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "num_local,num_rows,window,tile,copy_programs",
+    [(4, 4096, 3072, 64, 16), (3, 200, 96, 8, 1), (8, 4096, 6144, 64, 64)],
+)
+def test_gpu_dispatch_swiglu_gives_the_bits_of_the_separate_kernels(
+    num_local, num_rows, window, tile, copy_programs
+):
+    """The overlapped kernel's buffer, weights and h are those of send_rows then gmm_swiglu,
+    bit for bit, in every slot (filled, zeroed, and h's rows past the groups), round by
+    round, with few copy programs and many."""
+    devices = jax.devices()
+    mesh = jax.make_mesh((len(devices),), (AXIS,), devices=devices)
+    d_model, d_ff = 2048, 768
+    counts_se = random_counts(2, len(devices), num_local, num_rows)
+    t = exchange.traffic(jnp.asarray(counts_se), num_local)
+    rounds = int(exchange.window_rounds(t, window))
+    inputs = dispatch_swiglu_inputs(mesh, num_local, num_rows, d_model, d_ff)
+    specs = dict(mesh=mesh, in_specs=(P(AXIS),) * 4 + (P(), P()), out_specs=(P(AXIS),) * 3)
+    runs = [
+        jax.jit(jax.shard_map(dispatch_swiglu_fn(num_local, num_rows, window, tile,
+                                                 copy_programs=c)[0], **specs))
+        for c in (copy_programs, 0)
+    ]  # fmt: skip
+    put = lambda a: jax.device_put(jnp.asarray(a), jax.NamedSharding(mesh, P()))  # noqa: E731
+    for r in range(rounds):
+        got, want = (run(*inputs, put(counts_se), put(jnp.int32(r))) for run in runs)
+        chex.assert_trees_all_equal(got, want)
