@@ -282,6 +282,11 @@ def _rounds_fwd(rows, weights, t, rounds, spec):
 
 def _rounds_bwd(spec, residuals, g_nd):
     rows, weights, t, rounds = residuals
+    if spec.kernel == "fused":
+        # The recomputed forward is needed for its buffer only: with the dispatch in a kernel
+        # of its own (the same bits) XLA drops the forward's GEMMs, which the overlapped
+        # kernel would run with it.
+        spec = dataclasses.replace(spec, exchange_programs=0)
     round_fn, _, round_n = _plan_rounds(t, _num_rows(rows), spec)
 
     def round_vjp(r):
