@@ -164,7 +164,9 @@ class MoEConfig:
         H200) of the first expert GEMMs' kernel that copy the round's rows to the devices that
         own their experts, while the others run each GEMM tile as soon as its rows are in. 0:
         the dispatch runs as its own kernel, on every SM, before the GEMMs. y and dx do not
-        depend on it.
+        depend on it. On one H200 (a 1-device mesh, qwen3_30b_a3b, 4096 tokens) 16 gave a
+        forward of 3.05 ms against 3.08 with 0; across GPUs, where the copies cost more, not
+        yet timed (bench/results/2026-12-01_exchange_overlap_h200_s12/).
       token_chunk: tokens per step of the token-wise stages (routing, combine, shared experts),
         which run in fixed-shape chunks of this many tokens (zero-padded, at least two) so that
         a token's bits do not depend on how many tokens a device holds; None: 8 * row_tile

@@ -7,14 +7,14 @@ by arrival: the tables (`Moves`) come from mok_jax/exchange_protocol.py. The for
 own positions, one counter) are both this kernel, with the two directions' tables.
 
 Status (2026-12-01): correct on the H200 with a 1-device mesh (the copies go to the device
-itself; bench/results/2026-12-01_exchange_dispatch_h200_s11/), and it lowers for CUDA inside
-shard_map on 8 devices (CI). Not yet run across GPUs (the multi-GPU issue). Rows move through
-shared memory in boxes of whole rows (up to 64 KiB), one load and one store in flight a block;
-at qwen3_30b_a3b (4096 tokens) `fused` on a 1-device mesh, three of these kernels a forward,
-took 2.82 ms against 2.75 without a mesh. No GEMM runs in the kernel yet: the experts read the
-buffer after it returns; fusing the tile waits into the grouped GEMM's producer comes next.
+itself) and across two H200s over NVLink (nvidia-h200-x2: the GPU tests, and `fused` at EP 2
+bitwise equal to one GPU; bench/results/2026-12-01_exchange_overlap_h200_s12/); it lowers for
+CUDA inside shard_map on 8 devices (CI). Rows move through shared memory in boxes of whole rows
+(up to 64 KiB), one load and one store in flight a copier. `dispatch_swiglu` (below) runs the
+forward's dispatch inside the gate/up GEMMs' kernel, each GEMM tile starting once its rows are
+in; the return and the backward's copies are still kernels of their own.
 
-Invariants:
+Invariants (send_rows; dispatch_swiglu's O1-O4 are in its body):
   1. Each output row is written by one copy, once a round (the protocol's destinations are
      distinct), so no two stores race.
   2. A copy's signal follows its rows: the kernel waits for the copy's stores to complete
