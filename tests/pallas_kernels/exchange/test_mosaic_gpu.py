@@ -415,6 +415,66 @@ def test_zero_signals_count_the_padding_inside_the_groups():
     chex.assert_trees_all_equal(wait, jnp.asarray([2, 2, 1, 2, 0], jnp.int32))
 
 
+@pytest.mark.parametrize(
+    "seed,num_devices,num_local,num_rows,window,tile",
+    [(0, 1, 3, 200, 96, 8), (1, 2, 2, 64, 48, 4), (2, 4, 2, 40, 30, 3), (3, 3, 4, 120, 200, 16)],
+)
+def test_overlapped_waits_cover_every_stored_row(
+    seed, num_devices, num_local, num_rows, window, tile
+):
+    """dispatch_swiglu's protocol, replayed on the host from the tables the kernel gets, as its
+    copiers and GEMM producers use them, every round and receiver: each buffer slot is written
+    once (a copy or a zero range); each counter's wait (`_zero_signals`) is exactly the signals
+    sent to it (no deadlock, no early return); and each slot the GEMMs store (before the
+    groups' end) is written by a writer that signals that slot's own tile, the counter a tile
+    storing the row waits for (no read before the write)."""
+    counts_se = random_counts(seed, num_devices, num_local, num_rows)
+    t = exchange.traffic(jnp.asarray(counts_se), num_local)
+    rounds = int(exchange.window_rounds(t, window))
+    slots = xp.num_tiles(window, tile, num_local) * tile
+    num_tiles = slots // tile
+    for r in range(rounds):
+        sent = [
+            jax.tree.map(np.asarray, xp.exchange_moves(t, jnp.int32(s), jnp.int32(r), num_rows,
+                                                       window, tile)[0])
+            for s in range(num_devices)
+        ]  # fmt: skip
+        for d in range(num_devices):
+            group_sizes, _ = xp.buffer_layout(t, jnp.int32(d), jnp.int32(r), window, tile)
+            groups_end = int(np.sum(group_sizes))
+            first_z, end_z, wait_c = (
+                np.asarray(a)
+                for a in mosaic_gpu._zero_signals(
+                    jax.tree.map(jnp.asarray, sent[d]), jnp.int32(groups_end), tile, num_tiles
+                )
+            )
+            signals = np.zeros(num_tiles, np.int64)
+            writes = np.zeros(slots, np.int64)
+            signalled_by_writer = [set() for _ in range(slots)]
+            for m in sent:  # every source's copies of the round to d (the copiers' loop)
+                for p in range(int(m.count)):
+                    if int(m.peer_p[p]) != d or int(m.round_p[p]) != r:
+                        continue
+                    c, dst, size = int(m.counter_p[p]), int(m.dst_p[p]), int(m.size_p[p])
+                    signals[c] += 1
+                    writes[dst : dst + size] += 1
+                    for row in range(dst, dst + size):
+                        signalled_by_writer[row].add(c)
+            m = sent[d]  # d's own zero ranges
+            for z in range(m.zero_dst_z.shape[0]):
+                dst, size = int(m.zero_dst_z[z]), int(m.zero_size_z[z])
+                writes[dst : dst + size] += 1
+                tiles_z = range(int(first_z[z]), int(end_z[z]))
+                for c in tiles_z:
+                    signals[c] += 1
+                for row in range(dst, dst + size):
+                    signalled_by_writer[row].update(tiles_z)
+            chex.assert_trees_all_equal(writes, np.ones(slots, np.int64))
+            chex.assert_trees_all_equal(signals, wait_c.astype(np.int64))
+            unsignalled = [q for q in range(groups_end) if q // tile not in signalled_by_writer[q]]
+            assert not unsignalled, (r, d, unsignalled[:8])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "num_local,num_rows,window,tile,copy_programs",
