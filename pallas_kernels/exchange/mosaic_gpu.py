@@ -14,7 +14,7 @@ CUDA inside shard_map on 8 devices (CI). Rows move through shared memory in boxe
 forward's dispatch inside the gate/up GEMMs' kernel, each GEMM tile starting once its rows are
 in; the return and the backward's copies are still kernels of their own.
 
-Invariants (send_rows; dispatch_swiglu's O1-O4 are in its body):
+Invariants (send_rows; dispatch_swiglu's O1-O3 are in its body):
   1. Each output row is written by one copy, once a round (the protocol's destinations are
      distinct), so no two stores race.
   2. A copy's signal follows its rows: the kernel waits for the copy's stores to complete
@@ -307,9 +307,11 @@ def _dispatch_swiglu_kernel(
         def _wait(c):
             pl.semaphore_wait(counters.at[c], wait_ref[c], decrement=False)
 
-    # O2. Programs [0, gemm_programs) run gmm_swiglu's tiles on the buffer, each tile once the
-    #     rows it stores are in place (its invariant 11).
-    @pl.when(program < gemm_programs)
+    # O2. Programs [copy_programs, copy_programs + gemm_programs) run gmm_swiglu's tiles on
+    #     the buffer, each tile once the rows it stores are in place (its invariant 11). Every
+    #     row before the groups' end is stored by some tile, so every tile that counts a copy
+    #     or a zero range is waited for before the kernel returns: the buffer is complete.
+    @pl.when(program >= copy_programs)
     def _gemm():
         gmm_kernel.swiglu_programs(
             schedule_ref,
@@ -319,20 +321,23 @@ def _dispatch_swiglu_kernel(
             h_ref,
             config=config,
             programs=gemm_programs,
+            first_program=copy_programs,
             before_tile=wait_tiles,
         )
 
-    # O3. The other programs copy, each of their warpgroups one copier with its own stage: the
-    #     zero ranges first (the GEMMs wait for the padding inside the groups), then the round's
-    #     copies, copier i taking ranges and copies i, i + copiers, ...
+    # O3. Programs [0, copy_programs) copy, each of their warpgroups one copier with its own
+    #     stage: the zero ranges first (the GEMMs wait for the padding inside the groups), then
+    #     the round's copies, copier i taking ranges and copies i, i + copiers, ... A copier
+    #     never waits for anything but its own copies, and the copy programs come first in the
+    #     grid, so they start before any GEMM program that waits for them.
     num_wg = config.num_consumers + 1
     copiers = copy_programs * num_wg
 
-    @pl.when(program >= gemm_programs)
+    @pl.when(program < copy_programs)
     def _copy():
         def copy_scope(stages, side_stages, loaded):
             wg = lax.axis_index("wg")
-            copier = (program - gemm_programs) * num_wg + wg
+            copier = program * num_wg + wg
             stage, side_stage, done = stages.at[wg], side_stages.at[wg], loaded.at[wg]
             round_index = round_ref[0]
 
@@ -368,12 +373,6 @@ def _dispatch_swiglu_kernel(
                     else:
                         pl.semaphore_signal(sem, device_id=peer)
 
-            # O4. The kernel returns only once every tile of this device is in place, also
-            #     those no GEMM tile waited for.
-            @pl.loop(copier, num_counters, step=copiers)
-            def _counter(c):
-                pl.semaphore_wait(counters.at[c], wait_ref[c], decrement=False)
-
         pl.run_scoped(
             copy_scope,
             plgpu.SMEM((num_wg, boxes[0], src_ref.shape[1]), src_ref.dtype),
@@ -385,9 +384,9 @@ def _dispatch_swiglu_kernel(
 
 def _zero_signals(moves: Moves, groups_end: Array, tile: int, num_counters: int):
     """Per zero range z, the tiles [first_z, end_z) whose counters count it: those of its rows
-    before `groups_end` (the padding inside the groups, which the GEMM stores; the slots past
-    the groups are computed and never stored). And the count each counter then waits for:
-    the protocol's arrivals plus its zero ranges."""
+    before `groups_end` (the padding inside the groups, whose h rows the GEMM stores; past the
+    groups no GEMM tile waits: their h rows are zeros stored by tiles that load nothing). And
+    the count each counter then waits for: the protocol's arrivals plus its zero ranges."""
     start_z, size_z = moves.zero_dst_z, moves.zero_size_z
     end_z = jnp.minimum(start_z + size_z, groups_end)
     signals_z = (size_z > 0) & (start_z < end_z)
@@ -436,7 +435,10 @@ def dispatch_swiglu(
     config = gmm_kernel.swiglu_config(f=w_gate_gdf.shape[2], dtype=src_ad.dtype)
     programs = tuning.persistent_grid_size()
     if not 0 < copy_programs < programs:
-        raise ValueError(f"copy_programs={copy_programs} must be in [1, {programs})")
+        raise ValueError(
+            f"copy_programs={copy_programs} (MoEConfig.exchange_programs) must be in "
+            f"[1, {programs}): this GPU runs {programs} programs, and some must run the GEMMs"
+        )
     # The GEMM's row tiles load whole 8-row tiles of the buffer, and a tile's box may not be
     # taller than the buffer: the kernel's buffer has at least block_m rows, a multiple of 8
     # (rows past out_rows: neither filled nor stored, sliced off).
@@ -490,4 +492,6 @@ def dispatch_swiglu(
         w_gate_gdf,
         w_up_gdf,
     )
-    return tuple(_like(out[:out_rows] if kernel_rows != out_rows else out, src_ad) for out in outs)
+    outs = tuple(out[:out_rows] if kernel_rows != out_rows else out for out in outs)
+    buffer, side, h = outs
+    return _like(buffer, src_ad), _like(side, side_ac), _like(h, src_ad)

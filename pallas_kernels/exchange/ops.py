@@ -222,6 +222,10 @@ def dispatch_mlp(
         raise ValueError(f"recompute={recompute!r} must be one of {grouped_ops.RECOMPUTES}")
     static = _MlpStatic(out_rows=out_rows, tile=tile, axis_name=axis_name, recompute=recompute,
                         copy_programs=copy_programs, interpret=interpret)  # fmt: skip
-    w_gate_gdf, w_up_gdf, w_down_gfd = grouped_ops.vary_alike(w_gate_gdf, w_up_gdf, w_down_gfd)
+    # As swiglu_mlp does: every operand varies over the mesh axes any of them varies over (an
+    # operand made to vary gets its gradient summed over those axes).
+    x_nd, scale_n, w_gate_gdf, w_up_gdf, w_down_gfd, group_sizes_g = grouped_ops.vary_alike(
+        x_nd, scale_n, w_gate_gdf, w_up_gdf, w_down_gfd, group_sizes_g
+    )
     return _dispatch_mlp(static, x_nd, scale_n, moves, back, round_index, w_gate_gdf, w_up_gdf,
                          w_down_gfd, group_sizes_g)  # fmt: skip

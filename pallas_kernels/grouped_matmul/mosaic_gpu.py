@@ -97,14 +97,15 @@ Invariants (numbered; the tests check each):
      that stores the row (its group's, as invariant 2 picks it) and sums them in a fixed order
      (one reduction of a static shape), no atomics
      (test_gmm_swiglu_bwd_has_no_races_and_owns_each_partial_once).
- 11. A kernel may run this body in its first `programs` programs only (`swiglu_programs`: the
-     exchange's dispatch runs its copies in the others). The tiles are then dealt to those
-     programs as they would be to a grid of that size (program p < programs gets the tiles
-     p, p + programs, ...; the rest none), and before a tile's first load the producer waits
-     (`before_tile`) until the lhs rows the tile stores are in place. Rows a tile loads and
-     does not store may still be arriving: invariant 4 computes them and never stores them.
-     Every program of such a kernel must be resident at once (a grid of at most one program
-     a streaming multiprocessor), so that a wait never waits on a program not yet started.
+ 11. A kernel may run this body in programs [first_program, first_program + programs) only
+     (`swiglu_programs`: the exchange's dispatch runs its copies in the programs before
+     them). The tiles are then dealt to those programs as they would be to a grid of that
+     size (its program q gets the tiles q, q + programs, ...; the other programs none), and
+     before a tile's first load the producer waits (`before_tile`) until the lhs rows the
+     tile stores are in place. Rows a tile loads and does not store may still be arriving:
+     invariant 4 computes them and never stores them. What a tile waits for must not wait for
+     the tiles: the exchange's copy programs never wait, and they come first in the grid, so
+     they are started before any GEMM program that waits for them.
 """
 
 from __future__ import annotations
@@ -244,12 +245,13 @@ def _kernel(
     rhs_k_parts: int = 1,
     swiglu_bwd: bool = False,
     programs: int | None = None,
+    first_program: int = 0,
     before_tile: Callable[[Array, Array], None] | None = None,
 ):
     # programs: the programs of the "sm" axis that run output tiles (None: all of them); a
-    # kernel that gives its other programs other work calls this body from the first
-    # `programs` only (invariant 11). before_tile(first, end): the producer's wait for lhs rows
-    # [first, end), which a tile stores, before its first load.
+    # kernel that gives its other programs other work calls this body from programs
+    # [first_program, first_program + programs) only (invariant 11). before_tile(first, end):
+    # the producer's wait for lhs rows [first, end), which a tile stores, before its first load.
     # swiglu_bwd (invariant 10): a second lhs (dy) and three rhs (w_gate, w_up with lhs, w_down
     # transposed with dy); the outputs h, [d_gate | d_up] and the d_s partial sums.
     dy_ref, refs = (refs[0], refs[1:]) if swiglu_bwd else (None, refs)
@@ -342,7 +344,9 @@ def _kernel(
         runs its K loop (in every CTA of a cluster alike, invariant 7); [lo, hi): the rows of
         this CTA's tile it stores."""
 
-        @ring.prefetching_loop(num_tiles, fetch, axis="sm", programs=programs)
+        @ring.prefetching_loop(
+            num_tiles, fetch, axis="sm", programs=programs, first_program=first_program
+        )
         def steps(lin, step0, values):
             mi, ni = tile_coords(lin)
             group, row0, lo, hi = values
@@ -874,12 +878,14 @@ def swiglu_programs(
     *,
     config: TileConfig,
     programs: int,
+    first_program: int,
     before_tile: Callable[[Array, Array], None],
 ) -> None:
-    """`gmm_swiglu`'s kernel body in programs [0, programs) of a kernel of more programs (its
-    grid axis named "sm", warpgroups "wg", num_consumers + 1 of them, Warpgroup semantics),
-    whose other programs do other work: the exchange's dispatch, which fills lhs while the
-    tiles run (pallas_kernels/exchange). Call it in those programs only (invariant 11).
+    """`gmm_swiglu`'s kernel body in programs [first_program, first_program + programs) of a
+    kernel of more programs (its grid axis named "sm", warpgroups "wg", num_consumers + 1 of
+    them, Warpgroup semantics), whose other programs do other work: the exchange's dispatch,
+    which fills lhs while the tiles run (pallas_kernels/exchange). Call it in those programs
+    only (invariant 11).
 
     schedule_ref [T, 4] is `schedule_table(group_sizes, num_rows=M, tile_m=config.block_m)`;
     lhs [M', D] (M' >= max(M, block_m), a multiple of 8), w_gate and w_up [G, D, F], h
@@ -902,6 +908,7 @@ def swiglu_programs(
         gather_rows=False,
         interpret=False,
         programs=programs,
+        first_program=first_program,
         before_tile=before_tile,
     )
 

@@ -29,7 +29,12 @@ def consumer_registers(num_consumers: int) -> int:
 
 
 def prefetching_loop(
-    num_items: int, fetch: Callable[[Any], tuple], *, axis: str, programs: int | None = None
+    num_items: int,
+    fetch: Callable[[Any], tuple],
+    *,
+    axis: str,
+    programs: int | None = None,
+    first_program: int = 0,
 ) -> Callable[[Callable[..., Any]], Any]:
     """A loop over this program's items that loads each item's scalars one item ahead.
 
@@ -41,17 +46,18 @@ def prefetching_loop(
     last item are clamped (the values are then unused). Returns the program's step count
     after its last item.
 
-    P is the size of `axis` (nd_loop deals the items), or `programs`: then only the first
-    `programs` programs of the axis take items (a kernel whose other programs do other work,
-    such as the exchange's copies), and a program p >= programs must not enter the loop.
+    P is the size of `axis` (nd_loop deals the items), or `programs`: then only programs
+    [first_program, first_program + programs) of the axis take items, as programs 0, 1, ...
+    (a kernel whose other programs do other work, such as the exchange's copies); the other
+    programs must not enter the loop.
     """
 
     def clamped_fetch(item):
         return fetch(jnp.minimum(item, num_items - 1))
 
     def decorator(body):
-        first = (jnp.int32(0), clamped_fetch(lax.axis_index(axis)))
         if programs is None:
+            first = (jnp.int32(0), clamped_fetch(lax.axis_index(axis)))
 
             def step(loop_info: plgpu.NDLoopInfo, carry):
                 steps, values = carry
@@ -62,8 +68,9 @@ def prefetching_loop(
             steps, _ = plgpu.nd_loop((num_items,), collective_axes=axis, init_carry=first)(step)
             return steps
 
-        program = lax.axis_index(axis)
+        program = lax.axis_index(axis) - first_program
         trips = jnp.maximum(num_items - program + programs - 1, 0) // programs
+        first = (jnp.int32(0), clamped_fetch(program))
 
         def dealt_step(i, carry):
             steps, values = carry

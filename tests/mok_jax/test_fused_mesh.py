@@ -37,6 +37,12 @@ from tests.mok_jax.test_pallas_mesh import (
     lowered_with_kernels,
 )
 
+# dispatch_swiglu's custom call: it returns the buffer [S, D], its routing weights [S, 4] f32 and
+# h [S, F] (then the kernel's semaphores).
+OVERLAPPED_DISPATCH = re.compile(
+    r"custom_call @mosaic_gpu.*-> \(tensor<(\d+)x\d+xbf16>, tensor<\1x4xf32>, tensor<\1x\d+xbf16>"
+)
+
 # Small enough for interpret mode: 8 experts, top-2, 8-row tiles (D = F = 64); a window of a
 # quarter of the balanced load, so the exchange takes several rounds, and an exchange tile of 4
 # rows, so an expert's rows of a round span several tiles.
@@ -111,11 +117,18 @@ def test_lowered_for_cuda_on_8_devices(layout):
     # projection and the return; its backward the forward again (the dispatch of rows and
     # weights as kernels of their own), 3 exchange kernels back and the GEMM gradients.
     assert len(MOSAIC_GPU_CALL.findall(text)) >= 12
+    # The overlapped dispatch: one kernel returns the buffer, its weights and h.
+    assert OVERLAPPED_DISPATCH.search(text), "no kernel of dispatch and gate/up"
     assert "uses_xla_collective_metadata = true" in text
     for collective in ("ragged_all_to_all", "all_to_all", "collective_permute"):
         assert not re.search(rf"stablehlo\.{collective}\b", text), collective
     assert "all_gather" in text  # the per-expert counts
     assert "io_callback" not in text  # no interpret mode left
+    if layout == "ep8":  # exchange_programs 0: the dispatch is a kernel of its own
+        separate = dataclasses.replace(cfg, exchange_programs=0)
+        assert not OVERLAPPED_DISPATCH.search(
+            lowered_with_kernels(x, params, cotangent, separate, mesh)
+        )
 
 
 @pytest.mark.gpu

@@ -427,7 +427,11 @@ def test_overlapped_waits_cover_every_stored_row(
     once (a copy or a zero range); each counter's wait (`_zero_signals`) is exactly the signals
     sent to it (no deadlock, no early return); and each slot the GEMMs store (before the
     groups' end) is written by a writer that signals that slot's own tile, the counter a tile
-    storing the row waits for (no read before the write)."""
+    storing the row waits for (no read before the write); and every counter that counts
+    something is waited for by a GEMM tile (the buffer is complete when the kernel returns)."""
+    from pallas_kernels.grouped_matmul import mosaic_gpu as grouped
+
+    block_m = grouped.swiglu_config(f=768, dtype=jnp.bfloat16).block_m
     counts_se = random_counts(seed, num_devices, num_local, num_rows)
     t = exchange.traffic(jnp.asarray(counts_se), num_local)
     rounds = int(exchange.window_rounds(t, window))
@@ -473,6 +477,16 @@ def test_overlapped_waits_cover_every_stored_row(
             chex.assert_trees_all_equal(signals, wait_c.astype(np.int64))
             unsignalled = [q for q in range(groups_end) if q // tile not in signalled_by_writer[q]]
             assert not unsignalled, (r, d, unsignalled[:8])
+            # The GEMM tiles wait for every counter that counts something (O2: the buffer is
+            # complete when the kernel returns), each tile for those under its stored rows.
+            schedule = np.asarray(
+                grouped.schedule_table(group_sizes, num_rows=slots, tile_m=block_m)
+            )
+            waited = set()
+            for group, row0, lo, hi in schedule:
+                if hi > lo and group < num_local:
+                    waited.update(range((row0 + lo) // tile, -(-(row0 + hi) // tile)))
+            assert set(np.flatnonzero(signals)) <= waited, (r, d)
 
 
 @pytest.mark.gpu
