@@ -357,6 +357,21 @@ def torch_scores(torch, cfg: MoEConfig, x, router):
     return torch.softmax(logits, -1) if cfg.score_fn == "softmax" else torch.sigmoid(logits)
 
 
+def torch_route(torch, cfg: MoEConfig, x, router, bias, experts=None):
+    """torch's routing of x [T, D]: (experts [T, K] int64 (given, for the check, or chosen),
+    their weights [T, K] f32, the T*K slots sorted by expert (argsort, stable) and x's rows in
+    that order)."""
+    scores = torch_scores(torch, cfg, x, router)
+    if experts is None:
+        experts = torch_select_experts(torch, cfg, scores, bias)
+    weights = scores.gather(1, experts)
+    if cfg.norm_topk_prob:
+        weights = weights / weights.sum(-1, keepdim=True)
+    weights = weights * cfg.routed_scaling
+    order = torch.argsort(experts.reshape(-1), stable=True)
+    return experts, weights, order, x.index_select(0, order // cfg.top_k)
+
+
 def torch_layer(torch, cfg: MoEConfig, w: dict, bias, experts=None):
     """The layer in torch on the tensors `w` (x and the weights): torch's own routing (or
     `experts` [T, K] int64, for the check), then argsort/index_select, three
@@ -364,16 +379,8 @@ def torch_layer(torch, cfg: MoEConfig, w: dict, bias, experts=None):
     silu = torch.nn.functional.silu
     x, top_k = w["x"], cfg.top_k
     num_tokens = x.shape[0]
-    scores = torch_scores(torch, cfg, x, w["router"])
-    if experts is None:
-        experts = torch_select_experts(torch, cfg, scores, bias)
-    weights = scores.gather(1, experts)
-    if cfg.norm_topk_prob:
-        weights = weights / weights.sum(-1, keepdim=True)
-    weights = weights * cfg.routed_scaling
+    experts, weights, order, rows = torch_route(torch, cfg, x, w["router"], bias, experts)
     flat = experts.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    rows = x.index_select(0, order // top_k)
     offs = torch.cumsum(torch.bincount(flat, minlength=cfg.num_experts), 0).to(torch.int32)
     gate = torch._grouped_mm(rows, w["w_gate"], offs=offs)
     up = torch._grouped_mm(rows, w["w_up"], offs=offs)

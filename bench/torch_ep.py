@@ -39,7 +39,7 @@ import torch.distributed.nn.functional as dist_nn
 import torch.multiprocessing as mp
 
 import mok_jax
-from bench.moe_layer_h200 import torch_layer, torch_scores, torch_select_experts
+from bench.moe_layer_h200 import torch_layer, torch_route
 
 CASES = {"qwen3_30b_a3b": 4096, "mixtral_8x7b": 2048, "tiny": 64}
 SEED = 0
@@ -86,15 +86,9 @@ def ep_layer(cfg, w: dict, bias, world: int):
     x, top_k = w["x"], cfg.top_k
     num_tokens, d_model = x.shape
     local = cfg.num_experts // world
-    scores = torch_scores(torch, cfg, x, w["router"])
-    experts = torch_select_experts(torch, cfg, scores, bias)
-    weights = scores.gather(1, experts)
-    if cfg.norm_topk_prob:
-        weights = weights / weights.sum(-1, keepdim=True)
-    weights = weights * cfg.routed_scaling
+    # Sorted by expert, so by the rank that owns it.
+    experts, weights, order, rows = torch_route(torch, cfg, x, w["router"], bias)
     flat = experts.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # by expert, so by the rank that owns it
-    rows = x.index_select(0, order // top_k)
     counts_e = torch.bincount(flat, minlength=cfg.num_experts)
     counts_in = torch.empty_like(counts_e)  # [source, my expert], flattened
     dist.all_to_all_single(counts_in, counts_e)
