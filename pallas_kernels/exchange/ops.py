@@ -4,6 +4,12 @@ A copy's gradient is the copy back: the cotangent of the output travels along `b
 reverse direction's tables (what each device sends when the roles swap), into the source's
 rows. No scatter-add: every destination row has one source (the protocol's invariant 1), so
 the reverse is a copy too.
+
+`dispatch_mlp(x, scale, moves, back, round, w_gate, w_up, w_down, group_sizes, ...)` is a
+round's dispatch and expert MLP as one differentiable op: its forward runs the dispatch inside
+the gate/up GEMMs' kernel (`mosaic_gpu.dispatch_swiglu`), then the down projection; its
+backward is `grouped_matmul.ops.swiglu_mlp_grads` on the buffer, then the copies back. The
+values and gradients are those of `send_rows` followed by `grouped_matmul.ops.swiglu_mlp`.
 """
 
 from __future__ import annotations
