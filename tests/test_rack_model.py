@@ -306,3 +306,18 @@ def test_readme_table_is_the_generated_one(report):
     section = readme[readme.index("## rack_model") :]
     for line in rm.markdown_speedups(report):
         assert line in section, f"bench/README.md's rack_model table lacks: {line}"
+
+
+def test_fused_check_finds_the_link_fraction_of_the_measured_time(report, h200):
+    # Run 3's fused row on two H200s: the model at the implied link fraction takes the measured
+    # time (the bisection), and at the collectives' fraction less.
+    (row,) = report["fused_check"]
+    assert (row["exchange"], row["ep"]) == ("fused@16", 2)
+    cfg = rm.SCALING[row["case"]][0]
+    shape = rm.LayerShape.from_config(row["case"], cfg, row["tokens_per_device"])
+    w = rm.Workload(shape=shape, layout=rm.Layout(expert=2))
+    at = dataclasses.replace(h200, link_efficiency=row["implied_link_fraction"])
+    model_ms = 1e3 * rm.predict(at, w, "fused", rm.ExchangeConfig()).total
+    assert model_ms == pytest.approx(row["measured_fwd_bwd_ms"], rel=1e-6)
+    assert row["model_fwd_bwd_ms"] < row["measured_fwd_bwd_ms"]
+    assert 0 < row["implied_link_fraction"] < row["link_fraction"]
