@@ -95,14 +95,19 @@ class _MlpStatic:
     interpret: bool
 
 
+def _column4(v_n: Array) -> Array:
+    """f32 [N] -> [N, 4], v in the first column, zeros after: a 16-byte row, as a copy moves
+    whole 16-byte chunks. A concatenate, not a broadcast, so that v's gradient is the first
+    column's, bit for bit."""
+    return jnp.concatenate([v_n[:, None], jnp.zeros((v_n.shape[0], 3), jnp.float32)], 1)
+
+
 def _dispatch_gate_up(static: _MlpStatic, x_nd, scale_n, moves, round_index, w_gate, w_up,
                       group_sizes):  # fmt: skip
     """(buffer [S, D], routing weights [S], h [S, F]) of the round: by the overlapped kernel
     (copy_programs > 0), by the exchange kernel then gmm_swiglu (0), or with `interpret` (the
     CPU) by `send_rows` (its spec there) then gmm_swiglu in interpret mode."""
-    # The weights as a 16-byte column (a copy moves whole 16-byte chunks); a concatenate, not
-    # a broadcast, so that their gradient is the first column's, bit for bit.
-    scale_n4 = jnp.concatenate([scale_n[:, None], jnp.zeros((scale_n.shape[0], 3), jnp.float32)], 1)
+    scale_n4 = _column4(scale_n)
     send = functools.partial(
         _send, out_rows=static.out_rows, axis_name=static.axis_name, implementation="auto"
     )
@@ -178,13 +183,11 @@ def _dispatch_mlp_bwd(static, residuals, dy):
         interpret=static.interpret,
     )
     # The copies back: each row's gradient from the slot it was copied to.
-    d_scale_s4 = jnp.concatenate([d_scale_s[:, None], jnp.zeros((d_scale_s.shape[0], 3),
-                                                                 jnp.float32)], 1)  # fmt: skip
     send_back = functools.partial(
         _send, out_rows=num_rows, axis_name=static.axis_name, implementation="auto"
     )
     d_x = send_back(d_buffer, back, round_index)
-    d_scale = send_back(d_scale_s4, back, round_index)[:, 0]
+    d_scale = send_back(_column4(d_scale_s), back, round_index)[:, 0]
     return d_x, d_scale, None, None, None, d_w_gate, d_w_up, d_w_down, None
 
 
