@@ -10,8 +10,9 @@ Probes (one device, one mesh axis of size 1 where shard_map is used):
   dispatch         the dispatch and return kernels in shard_map over every GPU there is against
                    the protocol's plan, 2 rounds, timed, and the tables' time alone taken out
   overlap          the dispatch and gate/up GEMMs of qwen3_30b_a3b's round (4096 tokens, top-8,
-                   128 experts on one device) as one kernel with each of --programs copy
-                   programs, against the separate kernels (0): bitwise, timed
+                   128 experts on one device, a window of --window-factor times the rows) as
+                   one kernel with each of --programs copy programs, against the separate
+                   kernels (0): bitwise, timed; and the copies alone on 16, 48 and all blocks
   layer            `fused` at qwen3_30b_a3b (4096 tokens) on a 1-device mesh (the exchange's
                    kernels, one round) at each of --tiles (exchange_tile) and --programs
                    (exchange_programs) against `fused` without a mesh: y and dx bitwise,
@@ -156,9 +157,7 @@ def _median_ms(fn, *args, iters: int = 10) -> float:
     return float(np.median(_timed_ms(fn, *args, iters=iters)))
 
 
-def _overlap(programs: tuple[int, ...]) -> dict:
-    import functools
-
+def _overlap(programs: tuple[int, ...], window_factor: float) -> dict:
     import jax
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
@@ -171,7 +170,9 @@ def _overlap(programs: tuple[int, ...]) -> dict:
     t_mod, _ = _case()
     axis = t_mod.AXIS
     num_local, num_rows, tile, d_model, d_ff = 128, 32768, 64, 2048, 768
-    window = num_rows
+    # The layer's window at EP > 1 is buffer_factor (2) times the balanced load: past the
+    # groups lies about half of the buffer, which the dispatch zeroes.
+    window = int(window_factor * num_rows)
     slots = xp.num_tiles(window, tile, num_local) * tile
     mesh = jax.make_mesh((1,), (axis,), devices=jax.devices()[:1])
     counts_se = t_mod.random_counts(3, 1, num_local, num_rows)
@@ -191,7 +192,9 @@ def _overlap(programs: tuple[int, ...]) -> dict:
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(axis),) * num_in + (P(), P()),
                                      out_specs=P(axis)))  # fmt: skip
 
-    send = functools.partial(mosaic_gpu.send_rows, axis_name=axis, out_rows=slots)
+    def send(x, moves, round_index, num_blocks=None):
+        return mosaic_gpu.send_rows(x, moves, round_index, axis_name=axis, out_rows=slots,
+                                    num_blocks=num_blocks)  # fmt: skip
 
     def separate(x, side, w_gate, w_up, moves, group_sizes):
         buf = send(x, moves, zero)
@@ -208,11 +211,18 @@ def _overlap(programs: tuple[int, ...]) -> dict:
 
     args = (x, side, w_gate, w_up, dispatch, group_sizes)
     want = sharded(lambda *a: separate(*a), 4)(*args)
-    record = {"ok": True, "slots": slots}
-    # The parts of the separate version, alone: the copies of x, and gate/up on their buffer.
-    record["send_x_ms"] = _median_ms(sharded(lambda x, *a: send(x, a[3], zero), 4), *args)
+    groups_end = int(jnp.sum(group_sizes))
+    record = {"ok": True, "window": window, "slots": slots, "rows": num_rows,
+              "zeroed_rows": slots - num_rows, "groups_end": groups_end}  # fmt: skip
+    # The parts of the separate version, alone: the copies of x (and the zero ranges) with
+    # send_rows on 16, 48 and all blocks (one copier a block; dispatch_swiglu's copy programs
+    # have three), and gate/up on their buffer.
+    for blocks in (16, 48, None):
+        fn = sharded(lambda x, *a, b=blocks: send(x, a[3], zero, num_blocks=b), 4)
+        record[f"send_x_blocks{blocks or 'all'}_ms"] = _median_ms(fn, *args)
     gemm = jax.jit(lambda buf, wg, wu, g: grouped.gmm_swiglu(buf, wg, wu, g))
-    one = lambda a: jax.device_put(a, jax.devices()[0])  # noqa: E731  (off the mesh)
+    # Off the mesh: plain arrays (an array placed on the mesh keeps its sharding's type).
+    one = lambda a: jnp.asarray(np.asarray(a))  # noqa: E731
     gemm_args = (one(want[0]), one(w_gate), one(w_up), one(group_sizes))
     record["gate_up_ms"] = _median_ms(gemm, *gemm_args, iters=20)
     record["programs0_ms"] = _median_ms(sharded(lambda *a: separate(*a), 4), *args, iters=20)
@@ -267,13 +277,15 @@ def _layer(tiles: tuple[int, ...], programs: tuple[int, ...]) -> dict:
     return record
 
 
-def _run_one(name: str, tiles: tuple[int, ...], programs: tuple[int, ...]) -> None:
+def _run_one(
+    name: str, tiles: tuple[int, ...], programs: tuple[int, ...], window_factor: float
+) -> None:
     record = {"probe": name}
     start = time.perf_counter()
     if name == "layer":
         record.update(_layer(tiles, programs))
     elif name == "overlap":
-        record.update(_overlap(tuple(c for c in programs if c)))
+        record.update(_overlap(tuple(c for c in programs if c), window_factor))
     else:
         record.update(globals()[f"_{name}"]())
     record["seconds"] = time.perf_counter() - start
@@ -289,16 +301,21 @@ def main() -> None:
     parser.add_argument(
         "--programs", default="16", help="overlap, layer: copy programs, comma-separated"
     )
+    parser.add_argument(
+        "--window-factor", type=float, default=2.0,
+        help="overlap: the window as a multiple of the rows (the layer's buffer_factor at EP > 1)",
+    )  # fmt: skip
     parser.add_argument("--child", choices=PROBES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         ints = lambda text: tuple(int(v) for v in text.split(","))  # noqa: E731
-        _run_one(args.child, ints(args.tiles), ints(args.programs))
+        _run_one(args.child, ints(args.tiles), ints(args.programs), args.window_factor)
         return
     records = []
     for name in [args.only] if args.only else PROBES:
         cmd = [sys.executable, "-m", "bench.exchange_probe", "--out", "-", "--child", name,
-               "--tiles", args.tiles, "--programs", args.programs]  # fmt: skip
+               "--tiles", args.tiles, "--programs", args.programs,
+               "--window-factor", str(args.window_factor)]  # fmt: skip
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
             lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]

@@ -46,6 +46,11 @@ from jax import Array
 
 from mok_jax.exchange import Traffic, exclusive_cumsum
 
+# The slots past a round's groups, zeroed as this many ranges, so that the kernels' copiers
+# zero them in parallel (one range a copier): past the groups lies up to 1 - 1/buffer_factor
+# of the buffer (half of it at EP > 1 by default), which one copier took milliseconds to zero.
+TAIL_RANGES = 32
+
 if TYPE_CHECKING:
     from pallas_kernels.exchange.moves import Moves
 
@@ -284,8 +289,8 @@ def exchange_pieces(
         counter_p=mine.tile_p,
         count=mine.count,
         arrivals_c=jnp.zeros((num_tiles(window, tile, t.num_local),), jnp.int32),
-        zero_dst_z=jnp.zeros((t.num_local + 1,), jnp.int32),
-        zero_size_z=jnp.zeros((t.num_local + 1,), jnp.int32),
+        zero_dst_z=jnp.zeros((t.num_local + TAIL_RANGES,), jnp.int32),
+        zero_size_z=jnp.zeros((t.num_local + TAIL_RANGES,), jnp.int32),
     )
     real_sp = jnp.arange(num_rows) < every.count[:, None]
     to_me_sp = real_sp & (every.dest_p == me)
@@ -318,9 +323,9 @@ def exchange_round(
     """`exchange_pieces`' tables with round r's counts: the dispatch's arrivals are
     `tile_arrivals` (the pieces each of `me`'s tiles gets) and its zero ranges every slot of
     `me`'s buffer no row fills (each local expert's last tile past its rows, and every slot
-    past the groups, which a grouped GEMM's last row tile reads too), so that the grouped GEMMs
-    read zeros there, forward and backward; the return's one counter gets `me`'s own pieces of
-    the round, each of which comes back once."""
+    past the groups, which a grouped GEMM's last row tile reads too, as TAIL_RANGES ranges), so
+    that the grouped GEMMs read zeros there, forward and backward; the return's one counter
+    gets `me`'s own pieces of the round, each of which comes back once."""
     dispatch, back = moves
     lo_g, hi_g, tile_start_g = _round_runs(t, me, round_index, window, tile)
     length_g = hi_g - lo_g
@@ -329,13 +334,23 @@ def exchange_round(
     slots = num_tiles(window, tile, t.num_local) * tile
     real_p = jnp.arange(dispatch.src_p.shape[0]) < dispatch.count
     mine_in_round = jnp.sum(real_p & (dispatch.round_p == round_index), dtype=jnp.int32)
+    tail_dst_r, tail_size_r = _tail_ranges(end[0], slots)
     dispatch = dataclasses.replace(
         dispatch,
         arrivals_c=tile_arrivals(t, me, round_index, window, tile),
-        zero_dst_z=jnp.concatenate([tile_start_g * tile + length_g, end]).astype(jnp.int32),
-        zero_size_z=jnp.concatenate([pad_g, slots - end]).astype(jnp.int32),
+        zero_dst_z=jnp.concatenate([tile_start_g * tile + length_g, tail_dst_r]).astype(jnp.int32),
+        zero_size_z=jnp.concatenate([pad_g, tail_size_r]).astype(jnp.int32),
     )
     return dispatch, dataclasses.replace(back, arrivals_c=mine_in_round[None])
+
+
+def _tail_ranges(end: Array, slots: int) -> tuple[Array, Array]:
+    """Slots [end, slots) as TAIL_RANGES consecutive ranges (dst, size) of int32 [TAIL_RANGES]
+    each, of equal size but the last (empty ranges start at `slots`)."""
+    part = (slots - end + TAIL_RANGES - 1) // TAIL_RANGES
+    dst_r = jnp.minimum(end + jnp.arange(TAIL_RANGES, dtype=jnp.int32) * part, slots)
+    size_r = jnp.minimum(part, slots - dst_r)
+    return dst_r.astype(jnp.int32), size_r.astype(jnp.int32)
 
 
 def exchange_moves(

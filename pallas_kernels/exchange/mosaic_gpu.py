@@ -156,18 +156,8 @@ def _send_rows_kernel(
     # device): a scratch semaphore would be one per block, so block 0 would count only its own.
     counters = pl.get_global(plgpu.SemaphoreType.REGULAR((num_counters,)))
 
-    # 0. This device's zero ranges (rows no copy lands in, disjoint from the copies' rows),
-    #    range z by block z % num_blocks, from the stage filled with zeros.
-    @pl.when(block < num_zeros)
-    def _zeros():
-        stage_smem[...] = jnp.zeros(stage_smem.shape, stage_smem.dtype)
-        plgpu.commit_smem()
-
-        @pl.loop(block, num_zeros, step=num_blocks)
-        def _zero(z):
-            zero_rows(out_ref, zero_dst_ref[z], zero_size_ref[z], stage_smem)
-
-    # 1. This device's copies of the round, copy p by block p % num_blocks.
+    # 1. This device's copies of the round, copy p by block p % num_blocks (first: the peers
+    #    wait for them).
     @pl.loop(block, count_ref[0], step=num_blocks)
     def _copy(p):
         @pl.when(round_p_ref[p] == round_index)
@@ -185,6 +175,18 @@ def _send_rows_kernel(
                 pl.semaphore_signal(sem)
             else:
                 pl.semaphore_signal(sem, device_id=peer)
+
+    # 2. This device's zero ranges (rows no copy lands in, disjoint from the copies' rows),
+    #    range z by block z % num_blocks, from the stage filled with zeros once the block's
+    #    copies are done with it (copy_piece returns after its stores completed).
+    @pl.when(block < num_zeros)
+    def _zeros():
+        stage_smem[...] = jnp.zeros(stage_smem.shape, stage_smem.dtype)
+        plgpu.commit_smem()
+
+        @pl.loop(block, num_zeros, step=num_blocks)
+        def _zero(z):
+            zero_rows(out_ref, zero_dst_ref[z], zero_size_ref[z], stage_smem)
 
     # 3. The kernel returns once every counter of this device has its copies: counter c is
     #    waited for by block c % num_blocks.
@@ -326,10 +328,11 @@ def _dispatch_swiglu_kernel(
         )
 
     # O3. Programs [0, copy_programs) copy, each of their warpgroups one copier with its own
-    #     stage: the zero ranges first (the GEMMs wait for the padding inside the groups), then
-    #     the round's copies, copier i taking ranges and copies i, i + copiers, ... A copier
-    #     never waits for anything but its own copies, and the copy programs come first in the
-    #     grid, so they start before any GEMM program that waits for them.
+    #     stage: the zero ranges that count on tiles first (the padding inside the groups, which
+    #     the GEMMs wait for), then the round's copies, then the other zero ranges (past the
+    #     groups), copier i taking ranges and copies i, i + copiers, ... A copier never
+    #     waits for anything but its own copies, and the copy programs come first in the grid,
+    #     so they start before any GEMM program that waits for them.
     num_wg = config.num_consumers + 1
     copiers = copy_programs * num_wg
 
@@ -341,21 +344,30 @@ def _dispatch_swiglu_kernel(
             stage, side_stage, done = stages.at[wg], side_stages.at[wg], loaded.at[wg]
             round_index = round_ref[0]
 
-            @pl.when(copier < num_zeros)
-            def _zeros():
-                stage[...] = jnp.zeros(stage.shape, stage.dtype)
-                side_stage[...] = jnp.zeros(side_stage.shape, side_stage.dtype)
-                plgpu.commit_smem()
+            def zeros(signalled: bool):
+                """The copier's zero ranges that count on tiles (`signalled`) or the others."""
 
-                @pl.loop(copier, num_zeros, step=copiers)
-                def _zero(z):
-                    zero_rows(buffer_ref, zero_dst_ref[z], zero_size_ref[z], stage)
-                    zero_rows(side_out_ref, zero_dst_ref[z], zero_size_ref[z], side_stage)
+                @pl.when(copier < num_zeros)
+                def _zeros():
+                    stage[...] = jnp.zeros(stage.shape, stage.dtype)
+                    side_stage[...] = jnp.zeros(side_stage.shape, side_stage.dtype)
+                    plgpu.commit_smem()
 
-                    # The range's tiles that a GEMM tile reads for its stored rows.
-                    @pl.loop(zero_first_ref[z], zero_end_ref[z])
-                    def _signal(c):
-                        pl.semaphore_signal(counters.at[c])
+                    @pl.loop(copier, num_zeros, step=copiers)
+                    def _zero(z):
+                        first, end = zero_first_ref[z], zero_end_ref[z]
+
+                        @pl.when((end > first) == signalled)
+                        def _range():
+                            zero_rows(buffer_ref, zero_dst_ref[z], zero_size_ref[z], stage)
+                            zero_rows(side_out_ref, zero_dst_ref[z], zero_size_ref[z], side_stage)
+
+                            # The range's tiles that a GEMM tile reads for its stored rows.
+                            @pl.loop(first, end)
+                            def _signal(c):
+                                pl.semaphore_signal(counters.at[c])
+
+            zeros(signalled=True)
 
             @pl.loop(copier, count_ref[0], step=copiers)
             def _copy_piece(p):
@@ -372,6 +384,10 @@ def _dispatch_swiglu_kernel(
                         pl.semaphore_signal(sem)
                     else:
                         pl.semaphore_signal(sem, device_id=peer)
+
+            # Last, the ranges no GEMM tile waits for (past the groups, where half the buffer
+            # may lie): the stages are free again, each copy having waited for its stores.
+            zeros(signalled=False)
 
         pl.run_scoped(
             copy_scope,

@@ -221,6 +221,21 @@ def test_the_tables_trace_under_jit_with_traced_device_and_round():
             jax.tree.map(np.testing.assert_array_equal, tables(t, me, r), eager)
 
 
+@pytest.mark.parametrize("end,slots", [(0, 0), (5, 5), (3, 40), (0, 1000), (37, 1000), (990, 1000)])
+def test_the_tail_past_the_groups_is_split_into_ranges_of_equal_size(end, slots):
+    """The slots past the groups are TAIL_RANGES consecutive ranges, every one but the last
+    (and the empty ones after it) of ceil(tail / TAIL_RANGES) rows: no copier zeroes more."""
+    dst_r, size_r = (np.asarray(a) for a in xp._tail_ranges(jnp.int32(end), slots))
+    assert dst_r.shape == size_r.shape == (xp.TAIL_RANGES,)
+    part = -(-(slots - end) // xp.TAIL_RANGES)
+    covered = np.zeros(slots, np.int64)
+    for dst, size in zip(dst_r, size_r, strict=True):
+        assert 0 <= size <= part and end <= dst <= slots
+        covered[dst : dst + size] += 1
+    np.testing.assert_array_equal(covered, (np.arange(slots) >= end).astype(np.int64))
+    np.testing.assert_array_equal(dst_r[1:], dst_r[:-1] + size_r[:-1])
+
+
 @pytest.mark.parametrize("window,tile", [(0, 4), (8, 0), (-1, 1)])
 def test_bad_window_or_tile_raises(window, tile):
     t = exchange.traffic(jnp.asarray(np.array([[2, 1]], np.int32)), 2)
