@@ -12,7 +12,9 @@ Probes (one device, one mesh axis of size 1 where shard_map is used):
   overlap          the dispatch and gate/up GEMMs of qwen3_30b_a3b's round (4096 tokens, top-8,
                    128 experts on one device, a window of --window-factor times the rows) as
                    one kernel with each of --programs copy programs, against the separate
-                   kernels (0): bitwise, timed; and the copies alone on 16, 48 and all blocks
+                   kernels (0): bitwise, timed; and the copies alone on 16, 48 and all
+                   blocks; then the down projection and the return of the round's results
+                   the same two ways (`down_return` against gmm then send_rows)
   layer            `fused` at qwen3_30b_a3b (4096 tokens) on a 1-device mesh (the exchange's
                    kernels, one round) at each of --tiles (exchange_tile) and --programs
                    (exchange_programs) against `fused` without a mesh: y and dx bitwise,
@@ -182,10 +184,10 @@ def _overlap(programs: tuple[int, ...], window_factor: float) -> dict:
     @jax.jit
     def tables(counts_se):
         t = exchange.traffic(counts_se, num_local)
-        dispatch, _ = xp.exchange_moves(t, jnp.int32(0), jnp.int32(0), num_rows, window, tile)
-        return dispatch, xp.buffer_layout(t, jnp.int32(0), jnp.int32(0), window, tile)[0]
+        moves = xp.exchange_moves(t, jnp.int32(0), jnp.int32(0), num_rows, window, tile)
+        return moves, xp.buffer_layout(t, jnp.int32(0), jnp.int32(0), window, tile)[0]
 
-    dispatch, group_sizes = tables(jnp.asarray(counts_se))
+    (dispatch, back), group_sizes = tables(jnp.asarray(counts_se))
     zero = jnp.zeros((), jnp.int32)
 
     def sharded(body, num_in):
@@ -231,6 +233,36 @@ def _overlap(programs: tuple[int, ...], window_factor: float) -> dict:
         got = fn(*args)
         record["ok"] &= all(bool(jnp.all(a == b)) for a, b in zip(got, want, strict=True))
         record[f"programs{c}_ms"] = _median_ms(fn, *args, iters=20)
+        print(json.dumps({"partial": True, **record}), flush=True)
+
+    # The way back: the down projection (the weights in its epilogue) and the return of the
+    # round's results (f32), by gmm then send_rows (0), or overlapped (down_return).
+    w_down = jax.random.normal(jax.random.key(5), (num_local, d_ff, d_model)) / d_ff**0.5
+    w_down = jax.device_put(w_down.astype(jnp.bfloat16), jax.NamedSharding(mesh, P(axis)))
+
+    def back_separate(h, side_s, w_down, back, group_sizes):
+        y = grouped.gmm(h, w_down, group_sizes, row_scale_m=side_s[:, 0], out_dtype=jnp.float32)
+        y = mosaic_gpu._like(y, h)
+        return mosaic_gpu.send_rows(y, back, zero, axis_name=axis, out_rows=num_rows)
+
+    def back_overlapped(c):
+        def run(h, side_s, w_down, back, group_sizes):
+            return mosaic_gpu.down_return(h, side_s[:, 0], w_down, group_sizes, back, zero,
+                                          out_rows=num_rows, axis_name=axis,
+                                          copy_programs=c)[1]  # fmt: skip
+
+        return run
+
+    back_args = (want[2], want[1], w_down, back, group_sizes)
+    want_back = sharded(back_separate, 3)(*back_args)
+    down = jax.jit(lambda h, w, g, s: grouped.gmm(h, w, g, row_scale_m=s, out_dtype=jnp.float32))
+    down_args = (one(want[2]), one(w_down), one(group_sizes), one(want[1])[:, 0])
+    record["down_ms"] = _median_ms(down, *down_args, iters=20)
+    record["return_programs0_ms"] = _median_ms(sharded(back_separate, 3), *back_args, iters=20)
+    for c in programs:
+        fn = sharded(back_overlapped(c), 3)
+        record["ok"] &= bool(jnp.all(fn(*back_args) == want_back))
+        record[f"return_programs{c}_ms"] = _median_ms(fn, *back_args, iters=20)
         print(json.dumps({"partial": True, **record}), flush=True)
     return record
 

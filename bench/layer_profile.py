@@ -45,7 +45,8 @@ import jax.numpy as jnp
 
 from mok_jax import init_params, make_mesh, moe, presets, scale_down
 
-STAGES = ("route", "plan", "dispatch", "experts", "return", "combine", "aux")
+# exchange_experts: `fused` under a mesh, whose kernels exchange rows while they compute.
+STAGES = ("route", "plan", "dispatch", "exchange_experts", "experts", "return", "combine", "aux")
 # An implementation name with this suffix runs under a 1-device mesh ("fused_mesh1": the
 # in-kernel exchange's kernels, copying to the device itself).
 MESH1 = "_mesh1"

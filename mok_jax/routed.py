@@ -153,16 +153,16 @@ def _fused_round(r, rows, weights, plan, spec: RoutedSpec) -> Array:
     x_nd, scale_n = rows
     t, moves, _ = plan
     me, window, tile = _me(spec), spec.buffer_rows, spec.exchange_tile
-    num_rows = x_nd.shape[0]
     slots = exchange_protocol.num_tiles(window, tile, spec.num_local) * tile
     dispatch, back = exchange_protocol.exchange_round(t, me, r, window, tile, moves)
     group_sizes_g, _ = exchange_protocol.buffer_layout(t, me, r, window, tile)
     # Every slot no row fills (an expert's last tile past its rows, the slots past the groups)
     # comes out of the dispatch as zeros, and so does the results' cotangent there (the
     # dispatch's zero ranges): zero rows add nothing to the weights' gradients, which sum over
-    # whole row tiles.
-    with jax.named_scope("dispatch_experts"):
-        y_sd = exchange_ops.dispatch_mlp(
+    # whole row tiles. Rows of other rounds are unspecified: `_rounds` keeps each row's own
+    # round.
+    with jax.named_scope("exchange_experts"):
+        return exchange_ops.dispatch_mlp(
             x_nd,
             scale_n,
             dispatch,
@@ -177,9 +177,6 @@ def _fused_round(r, rows, weights, plan, spec: RoutedSpec) -> Array:
             copy_programs=spec.exchange_programs,
             interpret=jax.default_backend() == "cpu",
         )
-    # Rows of other rounds are unspecified: `_rounds` keeps each row's own round.
-    with jax.named_scope("return"):
-        return exchange_ops.send_rows(y_sd, back, dispatch, r, num_rows, spec.axis)
 
 
 def _dest_of_rows(t: exchange.Traffic, me: Array, num_rows: int) -> Array:

@@ -511,3 +511,230 @@ def dispatch_swiglu(
     outs = tuple(out[:out_rows] if kernel_rows != out_rows else out for out in outs)
     buffer, side, h = outs
     return _like(buffer, src_ad), _like(side, side_ac), _like(h, src_ad)
+
+
+# ----------------------------------------------------------------------------------------------
+# The down projection overlapped with the return: one kernel (issue 7's overlap, the way back).
+
+
+def _down_return_kernel(
+    schedule_ref,
+    h_ref,
+    w_down_ref,
+    scale_ref,
+    src_p_ref,
+    dst_p_ref,
+    size_p_ref,
+    peer_p_ref,
+    round_p_ref,
+    first_p_ref,
+    end_p_ref,
+    count_ref,
+    arrivals_ref,
+    zero_dst_ref,
+    zero_size_ref,
+    round_ref,
+    y_ref,
+    out_ref,
+    *,
+    config,
+    gemm_programs: int,
+    copy_programs: int,
+    box: int,
+    tile_signals: int,
+    num_row_tiles: int,
+    num_zeros: int,
+    axis_name: str,
+    local: bool,
+):
+    program = lax.axis_index("sm")
+    # R1. One counter a row tile of the GEMM's schedule, counting this device's own stores
+    #     (its consumers signal, invariant 12 of the grouped GEMM), then one counter for the
+    #     return's arrivals: every peer's copies to this device count there. One set for the
+    #     kernel and every device (as in send_rows).
+    counters = pl.get_global(plgpu.SemaphoreType.REGULAR((num_row_tiles + 1,)))
+    arrived = counters.at[num_row_tiles]
+
+    # R2. Programs [copy_programs, copy_programs + gemm_programs) run gmm's tiles: y = (h @
+    #     w_down[g]) * scale, f32, each consumer signalling its row tile once its stores of a
+    #     tile have completed. They wait for nothing.
+    @pl.when(program >= copy_programs)
+    def _gemm():
+        def after_tile(mi):
+            pl.semaphore_signal(counters.at[mi])
+
+        gmm_kernel.scaled_programs(
+            schedule_ref,
+            h_ref,
+            w_down_ref,
+            scale_ref,
+            y_ref,
+            config=config,
+            programs=gemm_programs,
+            first_program=copy_programs,
+            after_tile=after_tile,
+        )
+
+    # R3. Programs [0, copy_programs) copy, each warpgroup one copier: piece p (copier p %
+    #     copiers) waits until every row tile storing its rows has counted all its signals,
+    #     copies its rows of y to its source's rows (`out`, on the peer), then signals the
+    #     peer's arrival counter; then the copier zeroes its zero ranges of this device's out.
+    #     Copier 0 last waits for the arrivals of this device's round (every row is back). A
+    #     copier waits only for this device's GEMM tiles, which wait for nothing, and for the
+    #     peers' copiers, which do the same: no cycle.
+    num_wg = config.num_consumers + 1
+    copiers = copy_programs * num_wg
+
+    @pl.when(program < copy_programs)
+    def _copy():
+        def copy_scope(stages, loaded):
+            wg = lax.axis_index("wg")
+            copier = program * num_wg + wg
+            stage, done = stages.at[wg], loaded.at[wg]
+            round_index = round_ref[0]
+
+            @pl.loop(copier, count_ref[0], step=copiers)
+            def _copy_piece(p):
+                @pl.when(round_p_ref[p] == round_index)
+                def _send():
+                    @pl.loop(first_p_ref[p], end_p_ref[p])
+                    def _wait(t):
+                        pl.semaphore_wait(counters.at[t], tile_signals, decrement=False)
+
+                    peer = {axis_name: peer_p_ref[p]}
+                    dst = out_ref if local else plgpu.remote_ref(out_ref, peer)
+                    copy_piece(y_ref, dst, src_p_ref[p], dst_p_ref[p], size_p_ref[p], stage, done)
+                    if local:
+                        pl.semaphore_signal(arrived)
+                    else:
+                        pl.semaphore_signal(arrived, device_id=peer)
+
+            @pl.when(copier < num_zeros)
+            def _zeros():
+                stage[...] = jnp.zeros(stage.shape, stage.dtype)
+                plgpu.commit_smem()
+
+                @pl.loop(copier, num_zeros, step=copiers)
+                def _zero(z):
+                    zero_rows(out_ref, zero_dst_ref[z], zero_size_ref[z], stage)
+
+            @pl.when(copier == 0)
+            def _arrivals():
+                pl.semaphore_wait(arrived, arrivals_ref[0])
+
+        pl.run_scoped(
+            copy_scope,
+            plgpu.SMEM((num_wg, box, y_ref.shape[1]), y_ref.dtype),
+            plgpu.Barrier(num_arrivals=1, num_barriers=num_wg),
+            collective_axes="wg",
+        )
+
+
+def _row_tile_waits(moves: Moves, schedule_t4: Array) -> tuple[Array, Array]:
+    """Per piece p, the schedule's row tiles [first_p, end_p) that store its rows [src_p[p],
+    + size_p[p]): the stored ranges (row0 + lo, row0 + hi) of the tiles in order partition
+    the rows (unused entries store nothing, at the end), so both ends are binary searches."""
+    stored_lo = schedule_t4[:, 1] + schedule_t4[:, 2]
+    stored_hi = schedule_t4[:, 1] + schedule_t4[:, 3]
+    start, end = moves.src_p, moves.src_p + moves.size_p
+    first_p = jnp.searchsorted(stored_hi, start, side="right", method="scan_unrolled")
+    end_p = jnp.searchsorted(stored_lo, end, side="left", method="scan_unrolled")
+    real = moves.size_p > 0
+    return jnp.where(real, first_p, 0).astype(jnp.int32), jnp.where(real, end_p, 0).astype(
+        jnp.int32
+    )
+
+
+def down_return(
+    h_sf: Array,
+    scale_s: Array,
+    w_down_gfd: Array,
+    group_sizes_g: Array,
+    back: Moves,
+    round_index: Array,
+    *,
+    out_rows: int,
+    axis_name: str,
+    copy_programs: int = 16,
+) -> tuple[Array, Array]:
+    """The down projection of round `round_index` and the return of its results in one kernel,
+    overlapped: -> (y [S, D] f32, out [out_rows, D] f32).
+
+    The GEMM programs compute y = (h @ w_down[g]) * scale per row, f32, over the groups
+    `group_sizes_g` ([G], the buffer's padded expert runs: `gmm(h, w_down, group_sizes,
+    row_scale_m=scale, out_dtype=f32)`, bit for bit) from h [S, F] (bf16, `dispatch_swiglu`'s)
+    and scale f32 [S] (the routing weights). `copy_programs` of the kernel's programs copy
+    this device's pieces of y back to their sources as `send_rows(y, back, ...)` does, each
+    piece as soon as the row tiles storing its rows have completed: out is the rows every
+    device's `back` copies here (rows of other rounds unspecified), and zeros in `back`'s zero
+    ranges. Call inside `jax.shard_map` over `axis_name`."""
+    back.check()
+    num_slots = h_sf.shape[0]
+    if h_sf.ndim != 2 or w_down_gfd.ndim != 3 or h_sf.shape[1] != w_down_gfd.shape[1]:
+        raise ValueError(f"h {h_sf.shape} must be [S, F] and w_down {w_down_gfd.shape} [G, F, D]")
+    if scale_s.shape != (num_slots,) or scale_s.dtype != jnp.float32:
+        raise ValueError(f"scale must be f32 [{num_slots}], got {scale_s.dtype} {scale_s.shape}")
+    if back.arrivals_c.shape != (1,):
+        raise ValueError(f"the return counts on one counter, got arrivals {back.arrivals_c.shape}")
+    d_model = w_down_gfd.shape[2]
+    config = gmm_kernel.scaled_config(n=d_model, dtype=h_sf.dtype)
+    programs = tuning.persistent_grid_size()
+    if not 0 < copy_programs < programs:
+        raise ValueError(
+            f"copy_programs={copy_programs} (MoEConfig.exchange_programs) must be in "
+            f"[1, {programs}): this GPU runs {programs} programs, and some must run the GEMMs"
+        )
+    # As in dispatch_swiglu: whole 8-row tiles, at least block_m rows (rows past S: zeros in
+    # h, stored by no tile, sliced off); the scale is read for whole tiles.
+    kernel_rows = max(pl.cdiv(num_slots, 8) * 8, config.block_m)
+    if kernel_rows != num_slots:
+        h_sf = jnp.pad(h_sf, ((0, kernel_rows - num_slots), (0, 0)))
+    scale_pad = jnp.pad(scale_s, (0, kernel_rows - num_slots + config.block_m))
+    schedule_t4 = gmm_kernel.schedule_table(
+        group_sizes_g, num_rows=num_slots, tile_m=config.block_m
+    )
+    first_p, end_p = _row_tile_waits(back, schedule_t4)
+    kernel = functools.partial(
+        _down_return_kernel,
+        config=config,
+        gemm_programs=programs - copy_programs,
+        copy_programs=copy_programs,
+        box=stage_rows(d_model, jnp.dtype(jnp.float32).itemsize),
+        tile_signals=(d_model // config.block_n) * config.num_consumers,
+        num_row_tiles=schedule_t4.shape[0],
+        num_zeros=back.zero_dst_z.shape[0],
+        axis_name=axis_name,
+        local=lax.axis_size(axis_name) == 1,
+    )
+    out_types = (
+        jax.ShapeDtypeStruct((kernel_rows, d_model), jnp.float32),
+        jax.ShapeDtypeStruct((out_rows, d_model), jnp.float32),
+    )
+    y, out = plgpu.kernel(
+        kernel,
+        out_type=out_types,
+        grid=(programs,),
+        grid_names=("sm",),
+        num_threads=config.num_consumers + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )(
+        schedule_t4,
+        h_sf,
+        w_down_gfd,
+        scale_pad,
+        back.src_p,
+        back.dst_p,
+        back.size_p,
+        back.peer_p,
+        back.round_p,
+        first_p,
+        end_p,
+        back.count.reshape(1),
+        back.arrivals_c,
+        back.zero_dst_z,
+        back.zero_size_z,
+        jnp.asarray(round_index, jnp.int32).reshape(1),
+    )
+    y = y[:num_slots] if kernel_rows != num_slots else y
+    return _like(y, h_sf), _like(out, h_sf)

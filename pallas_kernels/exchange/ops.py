@@ -6,10 +6,12 @@ rows. No scatter-add: every destination row has one source (the protocol's invar
 the reverse is a copy too.
 
 `dispatch_mlp(x, scale, moves, back, round, w_gate, w_up, w_down, group_sizes, ...)` is a
-round's dispatch and expert MLP as one differentiable op: its forward runs the dispatch inside
-the gate/up GEMMs' kernel (`mosaic_gpu.dispatch_swiglu`), then the down projection; its
-backward is `grouped_matmul.ops.swiglu_mlp_grads` on the buffer, then the copies back. The
-values and gradients are those of `send_rows` followed by `grouped_matmul.ops.swiglu_mlp`.
+round's exchange and expert MLP as one differentiable op: its forward runs the dispatch inside
+the gate/up GEMMs' kernel (`mosaic_gpu.dispatch_swiglu`) and the return inside the down
+projection's (`mosaic_gpu.down_return`); its backward copies the results' cotangent to the
+buffers, runs `grouped_matmul.ops.swiglu_mlp_grads` there, and copies the gradients back. The
+values and gradients are those of `send_rows`, then `grouped_matmul.ops.swiglu_mlp`, then
+`send_rows` back.
 """
 
 from __future__ import annotations
@@ -144,6 +146,37 @@ def _dispatch_gate_up(static: _MlpStatic, x_nd, scale_n, moves, round_index, w_g
     return buffer, side[:, 0], h
 
 
+def _down_return(static: _MlpStatic, h, scale_s, w_down, group_sizes, back, round_index,
+                 num_rows: int):  # fmt: skip
+    """The round's results back at their sources, f32 [N, D] (rows of other rounds
+    unspecified): the down projection with the weights in its epilogue, then the return along
+    `back`; by the overlapped kernel (copy_programs > 0), by gmm then the exchange kernel (0),
+    or with `interpret` by gmm in interpret mode then `send_rows` (its spec on the CPU)."""
+    if static.copy_programs and not static.interpret:
+        _, out = mosaic_gpu.down_return(
+            h,
+            scale_s,
+            w_down,
+            group_sizes,
+            back,
+            round_index,
+            out_rows=num_rows,
+            axis_name=static.axis_name,
+            copy_programs=static.copy_programs,
+        )
+        return out
+    y = grouped_kernel.gmm(
+        h,
+        w_down,
+        group_sizes,
+        row_scale_m=scale_s,
+        out_dtype=jnp.float32,
+        interpret=static.interpret,
+    )
+    y = grouped_ops.like(y, h)
+    return _send(y, back, round_index, num_rows, static.axis_name, "auto")
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _dispatch_mlp(static, x_nd, scale_n, moves, back, round_index, w_gate, w_up, w_down,
                   group_sizes):  # fmt: skip
@@ -156,21 +189,19 @@ def _dispatch_mlp_fwd(static, x_nd, scale_n, moves, back, round_index, w_gate, w
     buffer, scale_s, h = _dispatch_gate_up(
         static, x_nd, scale_n, moves, round_index, w_gate, w_up, group_sizes
     )
-    y = grouped_kernel.gmm(
-        h,
-        w_down,
-        group_sizes,
-        row_scale_m=scale_s,
-        out_dtype=jnp.float32,
-        interpret=static.interpret,
-    )
-    residuals = (buffer, scale_s, w_gate, w_up, w_down, group_sizes, back, round_index,
-                 x_nd.shape[0])  # fmt: skip
-    return grouped_ops.like(y, buffer), residuals
+    num_rows = x_nd.shape[0]
+    out = _down_return(static, h, scale_s, w_down, group_sizes, back, round_index, num_rows)
+    residuals = (buffer, scale_s, w_gate, w_up, w_down, group_sizes, moves, back, round_index,
+                 num_rows)  # fmt: skip
+    return out, residuals
 
 
-def _dispatch_mlp_bwd(static, residuals, dy):
-    buffer, scale_s, w_gate, w_up, w_down, group_sizes, back, round_index, num_rows = residuals
+def _dispatch_mlp_bwd(static, residuals, d_out):
+    (buffer, scale_s, w_gate, w_up, w_down, group_sizes, moves, back, round_index,
+     num_rows) = residuals  # fmt: skip
+    # The return's gradient: each slot's result cotangent from its row, copied along the
+    # dispatch (zeros in the slots no row fills: its zero ranges).
+    dy = _send(d_out, moves, round_index, static.out_rows, static.axis_name, "auto")
     d_buffer, d_w_gate, d_w_up, d_w_down, _, d_scale_s = grouped_ops.swiglu_mlp_grads(
         buffer,
         w_gate,
@@ -212,19 +243,22 @@ def dispatch_mlp(
     copy_programs: int = 16,
     interpret: bool = False,
 ) -> Array:
-    """Round `round_index` of the dispatch and the expert MLP: this device's rows x [N, D] with
-    their routing weights scale f32 [N] -> the results f32 [out_rows, D] in its buffer, slot
-    by slot (inside `jax.shard_map` over `axis_name`).
+    """Round `round_index` of the exchange and the expert MLP: this device's rows x [N, D] with
+    their routing weights scale f32 [N] -> their weighted results f32 [N, D] (rows of other
+    rounds unspecified; inside `jax.shard_map` over `axis_name`).
 
-    The rows travel as `send_rows(x, moves, back, ...)` sends them (the buffer's `tile`-row
-    tiles counting their copies), and the buffer's rows, grouped by `group_sizes_g` ([G], the
-    padded expert runs), go through `grouped_ops.swiglu_mlp` with the weights as its row
-    scale: the result is theirs, bit for bit, and so are the gradients (the MLP's, then the
-    copies back along `back`). With copy_programs > 0 the dispatch runs inside the first
-    GEMMs' kernel (`mosaic_gpu.dispatch_swiglu`: that many of its programs copy while the
-    others compute each tile as soon as its rows are in), with 0 as its own kernel before
-    them. With `interpret` (for the CPU) the copies are `send_rows` (there its spec,
-    reference.py) and the GEMMs run in Mosaic GPU's interpret mode."""
+    The rows travel as `send_rows(x, moves, back, ...)` sends them into the receivers'
+    buffers of `out_rows` slots (`tile`-row tiles counting their copies); the buffer's rows,
+    grouped by `group_sizes_g` ([G], the padded expert runs), go through
+    `grouped_ops.swiglu_mlp` with the weights as its row scale; the results come back as
+    `send_rows(y, back, moves, ...)` returns them. Values and gradients are those of these
+    three, bit for bit. With copy_programs > 0 the dispatch runs inside the first GEMMs'
+    kernel (`mosaic_gpu.dispatch_swiglu`: that many of its programs copy while the others
+    compute each tile as soon as its rows are in) and the return inside the down
+    projection's (`mosaic_gpu.down_return`: each piece leaves as soon as its rows are
+    stored); with 0 both are kernels of their own. With `interpret` (for the CPU) the copies
+    are `send_rows` (there its spec, reference.py) and the GEMMs run in Mosaic GPU's interpret
+    mode."""
     if copy_programs < 0:
         raise ValueError(f"copy_programs={copy_programs} must be >= 0")
     if recompute not in grouped_ops.RECOMPUTES:

@@ -106,6 +106,12 @@ Invariants (numbered; the tests check each):
      invariant 4 computes them and never stores them. What a tile waits for must not wait for
      the tiles: the exchange's copy programs never wait, and they come first in the grid, so
      they are started before any GEMM program that waits for them.
+ 12. With `after_tile` (`scaled_programs`: the return's copies read the output while the tiles
+     run), each consumer, after the epilogue of each tile it stores rows of (a tile of a group
+     or of the rows past them), waits until its stores have completed and then calls
+     after_tile(mi), mi the tile's row tile: once the tile's num_tiles_n column tiles have each
+     signalled from all num_consumers consumers, every row the row tile stores is in memory.
+     Signals follow the stores; nothing in the tiles waits for anyone.
 """
 
 from __future__ import annotations
@@ -247,11 +253,14 @@ def _kernel(
     programs: int | None = None,
     first_program: int = 0,
     before_tile: Callable[[Array, Array], None] | None = None,
+    after_tile: Callable[[Array], None] | None = None,
 ):
     # programs: the programs of the "sm" axis that run output tiles (None: all of them); a
     # kernel that gives its other programs other work calls this body from programs
     # [first_program, first_program + programs) only (invariant 11). before_tile(first, end):
     # the producer's wait for lhs rows [first, end), which a tile stores, before its first load.
+    # after_tile(mi): each consumer's signal that its stores of a tile of row tile mi have
+    # completed (invariant 12).
     # swiglu_bwd (invariant 10): a second lhs (dy) and three rhs (w_gate, w_up with lhs, w_down
     # transposed with dy); the outputs h, [d_gate | d_up] and the d_s partial sums.
     dy_ref, refs = (refs[0], refs[1:]) if swiglu_bwd else (None, refs)
@@ -670,6 +679,13 @@ def _kernel(
                     )
                     epilogue([zeros] * len(stored_outputs), row0, lo, hi, ni)
 
+                if after_tile is not None:
+                    # Invariant 12: the tile's stores have landed before the signal.
+                    @pl.when(stores)
+                    def _stored():
+                        plgpu.wait_smem_to_gmem(0)
+                        after_tile(mi)
+
                 return step0 + jnp.where(runs, k_steps, 0)
 
             plgpu.wait_smem_to_gmem(0)
@@ -910,6 +926,56 @@ def swiglu_programs(
         programs=programs,
         first_program=first_program,
         before_tile=before_tile,
+    )
+
+
+def scaled_config(*, n: int, dtype) -> TileConfig:
+    """The tiles `scaled_programs` runs: `gmm`'s default for N = n with a row scale and an f32
+    output, without clusters (as `swiglu_config`; the bits are `gmm`'s, invariant 7)."""
+    config = default_config(n=n, dtype=dtype, out_dtype=jnp.float32)
+    return dataclasses.replace(config, cluster_m=1, cluster_n=1)
+
+
+def scaled_programs(
+    schedule_ref,
+    lhs_ref,
+    rhs_ref,
+    scale_ref,
+    out_ref,
+    *,
+    config: TileConfig,
+    programs: int,
+    first_program: int,
+    after_tile: Callable[[Array], None],
+) -> None:
+    """`gmm(lhs, rhs, group_sizes, row_scale_m=scale, out_dtype=f32)`'s kernel body in programs
+    [first_program, first_program + programs) of a kernel of more programs (as
+    `swiglu_programs`), whose other programs read the output while the tiles run: the
+    exchange's return (pallas_kernels/exchange). Call it in those programs only.
+
+    schedule_ref [T, 4] is `schedule_table(group_sizes, num_rows=M, tile_m=config.block_m)`;
+    lhs [M', K] (M' >= max(M, block_m), a multiple of 8), rhs [G, K, N], scale f32 [M' +
+    block_m], out f32 [M', N]: as `gmm` computes them, rows past M unspecified. Each consumer
+    calls `after_tile(mi)` once its stores of a tile of row tile mi have completed (invariant
+    12): N / block_n * num_consumers calls a row tile that stores rows."""
+    _kernel(
+        schedule_ref,
+        lhs_ref,
+        rhs_ref,
+        scale_ref,
+        out_ref,
+        config=config,
+        num_groups=rhs_ref.shape[0],
+        num_tiles_m=schedule_ref.shape[0],
+        transpose_rhs=False,
+        num_rhs=1,
+        has_row_scale=True,
+        swiglu=False,
+        gather_rows=False,
+        interpret=False,
+        programs=programs,
+        first_program=first_program,
+        after_tile=after_tile,
     )
 
 
@@ -1282,6 +1348,8 @@ __all__ = [
     "gmm_swiglu",
     "gmm_swiglu_bwd",
     "group_bounds",
+    "scaled_config",
+    "scaled_programs",
     "schedule_table",
     "swiglu_config",
     "swiglu_programs",

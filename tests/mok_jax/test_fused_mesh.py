@@ -43,6 +43,11 @@ OVERLAPPED_DISPATCH = re.compile(
     r"custom_call @mosaic_gpu.*-> \(tensor<(\d+)x\d+xbf16>, tensor<\1x4xf32>, tensor<\1x\d+xbf16>"
 )
 
+# down_return's custom call: it returns the results y [S, D] f32 and the rows back [N, D] f32.
+OVERLAPPED_RETURN = re.compile(
+    r"custom_call @mosaic_gpu.*-> \(tensor<\d+x(\d+)xf32>, tensor<\d+x\1xf32>"
+)
+
 # Small enough for interpret mode: 8 experts, top-2, 8-row tiles (D = F = 64); a window of a
 # quarter of the balanced load, so the exchange takes several rounds, and an exchange tile of 4
 # rows, so an expert's rows of a round span several tiles.
@@ -114,11 +119,13 @@ def test_lowered_for_cuda_on_8_devices(layout):
     text = lowered_with_kernels(x, params, cotangent, cfg, mesh)
     assert "sdy.manual_computation" in text
     # A round's forward: the dispatch overlapped with gate/up (one kernel), the down
-    # projection and the return; its backward the forward again (the dispatch of rows and
-    # weights as kernels of their own), 3 exchange kernels back and the GEMM gradients.
+    # projection overlapped with the return (one kernel); its backward the forward again (the
+    # dispatch of rows and weights as kernels of their own), 3 exchange kernels and the GEMM
+    # gradients.
     assert len(MOSAIC_GPU_CALL.findall(text)) >= 12
     # The overlapped dispatch: one kernel returns the buffer, its weights and h.
     assert OVERLAPPED_DISPATCH.search(text), "no kernel of dispatch and gate/up"
+    assert OVERLAPPED_RETURN.search(text), "no kernel of the down projection and the return"
     assert "uses_xla_collective_metadata = true" in text
     for collective in ("ragged_all_to_all", "all_to_all", "collective_permute"):
         assert not re.search(rf"stablehlo\.{collective}\b", text), collective
@@ -126,9 +133,9 @@ def test_lowered_for_cuda_on_8_devices(layout):
     assert "io_callback" not in text  # no interpret mode left
     if layout == "ep8":  # exchange_programs 0: the dispatch is a kernel of its own
         separate = dataclasses.replace(cfg, exchange_programs=0)
-        assert not OVERLAPPED_DISPATCH.search(
-            lowered_with_kernels(x, params, cotangent, separate, mesh)
-        )
+        text = lowered_with_kernels(x, params, cotangent, separate, mesh)
+        assert not OVERLAPPED_DISPATCH.search(text)
+        assert not OVERLAPPED_RETURN.search(text)
 
 
 @pytest.mark.gpu

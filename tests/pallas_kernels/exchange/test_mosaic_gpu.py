@@ -517,3 +517,156 @@ def test_gpu_dispatch_swiglu_gives_the_bits_of_the_separate_kernels(
     for r in range(rounds):
         got, want = (run(*inputs, put(counts_se), put(jnp.int32(r))) for run in runs)
         chex.assert_trees_all_equal(got, want)
+
+
+# ---------------------------------------------------------------------------------------------
+# The down projection overlapped with the return (`down_return`).
+
+
+def down_return_fn(num_local, num_rows, window, tile, *, copy_programs: int):
+    """(h [EP * S, F], scale [EP * S], w_down [EP * G, F, D], counts [EP, E], round []) ->
+    (y [EP * S, D], out [EP * N, D]) inside shard_map: the round's down projection and return
+    by the overlapped kernel (copy_programs > 0), or by gmm then `send_rows` (0)."""
+    from pallas_kernels.grouped_matmul import mosaic_gpu as grouped
+
+    slots = xp.num_tiles(window, tile, num_local) * tile
+
+    def body(h, scale, w_down, counts_se, round_index):
+        me = jax.lax.axis_index(AXIS)
+        t = exchange.traffic(counts_se, num_local)
+        _, back = xp.exchange_moves(t, me, round_index, num_rows, window, tile)
+        group_sizes, _ = xp.buffer_layout(t, me, round_index, window, tile)
+        if copy_programs:
+            return mosaic_gpu.down_return(
+                h, scale, w_down, group_sizes, back, round_index, out_rows=num_rows,
+                axis_name=AXIS, copy_programs=copy_programs,
+            )  # fmt: skip
+        y = grouped.gmm(h, w_down, group_sizes, row_scale_m=scale, out_dtype=jnp.float32)
+        y = mosaic_gpu._like(y, h)
+        return y, mosaic_gpu.send_rows(y, back, round_index, out_rows=num_rows, axis_name=AXIS)
+
+    return body, slots
+
+
+def down_return_inputs(mesh, num_local, slots, d_model, d_ff, seed=0):
+    """Random (h, scale, w_down) for down_return_fn, placed on `mesh`."""
+    num_devices = mesh.devices.size
+    keys = jax.random.split(jax.random.key(seed), 3)
+    h = jax.random.normal(keys[0], (num_devices * slots, d_ff), jnp.float32)
+    scale = jax.random.uniform(keys[1], (num_devices * slots,), jnp.float32)
+    w = jax.random.normal(keys[2], (num_devices * num_local, d_ff, d_model)) / d_ff**0.5
+    put = lambda a: jax.device_put(a, jax.NamedSharding(mesh, P(AXIS)))  # noqa: E731
+    return put(h.astype(jnp.bfloat16)), put(scale), put(w.astype(jnp.bfloat16))
+
+
+def test_down_return_lowers_for_cuda_inside_shard_map_on_8_devices():
+    """One kernel for the down projection and the return, its peers addressed through XLA's
+    collective metadata, its counters (a row tile each, and the arrivals) one set for the
+    kernel; bad arguments raise."""
+    from pallas_kernels.grouped_matmul import mosaic_gpu as grouped
+
+    num_devices, num_local, num_rows, window, tile = 8, 4, 512, 640, 64
+    d_model, d_ff = 2048, 768
+    mesh = jax.make_mesh((num_devices,), (AXIS,))
+    body, slots = down_return_fn(num_local, num_rows, window, tile, copy_programs=16)
+    specs = dict(mesh=mesh, in_specs=(P(AXIS),) * 3 + (P(), P()), out_specs=(P(AXIS),) * 2)
+    fn = jax.jit(jax.shard_map(body, **specs))
+    sharded = lambda shape, dtype, spec: jax.ShapeDtypeStruct(  # noqa: E731
+        shape, dtype, sharding=jax.NamedSharding(mesh, spec)
+    )
+    args = (
+        sharded((num_devices * slots, d_ff), jnp.bfloat16, P(AXIS)),
+        sharded((num_devices * slots,), jnp.float32, P(AXIS)),
+        sharded((num_devices * num_local, d_ff, d_model), jnp.bfloat16, P(AXIS)),
+        sharded((num_devices, num_devices * num_local), jnp.int32, P()),
+        sharded((), jnp.int32, P()),
+    )
+    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
+    assert "uses_xla_collective_metadata = true" in text
+    assert "skip_device_barrier = false" in text
+    assert re.search(rf"-> \(tensor<{slots}x{d_model}xf32>, tensor<{num_rows}x{d_model}xf32>", text)
+    block_m = grouped.scaled_config(n=d_model, dtype=jnp.bfloat16).block_m
+    counters = pl.cdiv(slots, block_m) + num_local + 1
+    assert re.search(rf"dims = \[\] : \(tensor<i32>\) -> tensor<{counters}xi32>", text)
+    for programs in (132, 500):
+        bad, _ = down_return_fn(num_local, num_rows, window, tile, copy_programs=programs)
+        bad = jax.jit(jax.shard_map(bad, **specs))
+        with pytest.raises(ValueError, match="copy_programs"):
+            bad.trace(*args)
+
+
+@pytest.mark.parametrize(
+    "seed,num_devices,num_local,num_rows,window,tile",
+    [(0, 1, 3, 200, 96, 8), (1, 2, 2, 64, 48, 4), (2, 4, 2, 40, 30, 3), (3, 3, 4, 120, 200, 16)],
+)
+@pytest.mark.parametrize("block_m", [64, 128])
+def test_return_waits_are_the_row_tiles_that_store_each_piece(
+    seed, num_devices, num_local, num_rows, window, tile, block_m
+):
+    """down_return's copier of a piece waits for the schedule's row tiles [first, end): each
+    of them stores rows of the piece (so each signals: a tile that stores nothing never does,
+    and waiting for it would hang), and together they store every row of it (no copy before
+    its rows are stored). Every round, every device's return pieces."""
+    from pallas_kernels.grouped_matmul import mosaic_gpu as grouped
+
+    counts_se = random_counts(seed, num_devices, num_local, num_rows)
+    t = exchange.traffic(jnp.asarray(counts_se), num_local)
+    rounds = int(exchange.window_rounds(t, window))
+    slots = xp.num_tiles(window, tile, num_local) * tile
+    pieces = 0
+    for r in range(rounds):
+        for d in range(num_devices):
+            _, back = xp.exchange_moves(t, jnp.int32(d), jnp.int32(r), num_rows, window, tile)
+            group_sizes, _ = xp.buffer_layout(t, jnp.int32(d), jnp.int32(r), window, tile)
+            schedule = grouped.schedule_table(group_sizes, num_rows=slots, tile_m=block_m)
+            first_p, end_p = (np.asarray(a) for a in mosaic_gpu._row_tile_waits(back, schedule))
+            schedule, back = np.asarray(schedule), jax.tree.map(np.asarray, back)
+            stored = [range(row0 + lo, row0 + hi) for _, row0, lo, hi in schedule]
+            for p in range(int(back.count)):
+                if back.round_p[p] != r:
+                    continue
+                rows = set(range(back.src_p[p], back.src_p[p] + back.size_p[p]))
+                tiles = range(first_p[p], end_p[p])
+                assert all(rows & set(stored[i]) for i in tiles), (r, d, p)
+                assert rows <= set().union(*(stored[i] for i in tiles)), (r, d, p)
+                pieces += 1
+    assert pieces
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "num_local,num_rows,window,tile,copy_programs",
+    [(4, 4096, 3072, 64, 16), (3, 200, 96, 8, 1), (8, 4096, 6144, 64, 64)],
+)
+def test_gpu_down_return_gives_the_bits_of_the_separate_kernels(
+    num_local, num_rows, window, tile, copy_programs
+):
+    """The overlapped kernel's y (every slot) and returned rows (every row of the round, on
+    every device) are those of gmm then send_rows, bit for bit, round by round, with few copy
+    programs and many."""
+    devices = jax.devices()
+    mesh = jax.make_mesh((len(devices),), (AXIS,), devices=devices)
+    d_model, d_ff = 2048, 768
+    counts_se = random_counts(2, len(devices), num_local, num_rows)
+    t = exchange.traffic(jnp.asarray(counts_se), num_local)
+    rounds = int(exchange.window_rounds(t, window))
+    slots = xp.num_tiles(window, tile, num_local) * tile
+    inputs = down_return_inputs(mesh, num_local, slots, d_model, d_ff)
+    specs = dict(mesh=mesh, in_specs=(P(AXIS),) * 3 + (P(), P()), out_specs=(P(AXIS),) * 2)
+    runs = [
+        jax.jit(jax.shard_map(down_return_fn(num_local, num_rows, window, tile,
+                                             copy_programs=c)[0], **specs))
+        for c in (copy_programs, 0)
+    ]  # fmt: skip
+    put = lambda a: jax.device_put(jnp.asarray(a), jax.NamedSharding(mesh, P()))  # noqa: E731
+    for r in range(rounds):
+        (y, out), (want_y, want_out) = (
+            run(*inputs, put(counts_se), put(jnp.int32(r))) for run in runs
+        )
+        chex.assert_trees_all_equal(y, want_y)
+        for s in range(len(devices)):
+            mine = np.asarray(xp.row_places(t, jnp.int32(s), num_rows, window, tile).round_n) == r
+            got = np.asarray(out).reshape(len(devices), num_rows, -1)[s][mine]
+            want = np.asarray(want_out).reshape(len(devices), num_rows, -1)[s][mine]
+            chex.assert_trees_all_equal(got, want)
