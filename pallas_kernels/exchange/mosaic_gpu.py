@@ -27,10 +27,18 @@ Invariants (send_rows; dispatch_swiglu's O1-O3 are in its body):
      not set). The counters (`pl.get_global`: one set for the kernel) are a slice of
      the kernel's GMEM scratch, which Pallas zeroes before each launch (a zero operand of the
      custom call; the lowering test checks its size).
+  5. The kernel's int32 tables are one operand (`_pack`), whose length is never the
+     counters'. The counters' zero operand is aliased to an output and written in place, and
+     XLA merges equal constants: a table that is a constant array of zeros of the counters'
+     shape (the return's empty zero ranges, [1], against its one counter) became the
+     counters' own buffer, so the kernel read its zero ranges from the counters as they
+     counted (session 13: rows [13, 26) of a return zeroed after 13 arrivals). The same
+     holds for dispatch_swiglu and down_return.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -87,6 +95,66 @@ def _stage(stage_smem, rows: int):
     return stage_smem if rows == stage_smem.shape[0] else stage_smem.at[pl.ds(0, rows)]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Packed:
+    """Where each int32 table lies in a kernel's one table operand (invariant 5): (name,
+    offset) pairs, static."""
+
+    offsets: tuple[tuple[str, int], ...]
+
+    def views(self, tables_ref, *names: str) -> tuple[_Column, ...]:
+        """The named tables of `tables_ref` (the packed operand in the kernel), in order."""
+        at = dict(self.offsets)
+        return tuple(_Column(tables_ref, at[name]) for name in names)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Column:
+    """One table of the packed operand: column[i] is a scalar load of its entry i."""
+
+    ref: object
+    offset: int
+
+    def __getitem__(self, i):
+        return self.ref[self.offset + i]
+
+
+def _pack(tables: dict[str, Array], *, counters: int) -> tuple[Array, _Packed]:
+    """The int32 tables as one 1-D operand and their offsets (invariant 5). Its length is
+    never the counters' (a table of the counters' length is padded by one entry)."""
+    parts, offsets, at = [], [], 0
+    for name, table in tables.items():
+        table = jnp.asarray(table, jnp.int32).reshape(-1)
+        offsets.append((name, at))
+        parts.append(table)
+        at += table.shape[0]
+    if at == counters:
+        parts.append(jnp.zeros((1,), jnp.int32))
+    return jnp.concatenate(parts), _Packed(tuple(offsets))
+
+
+def _moves_tables(moves: Moves, round_index: Array) -> dict[str, Array]:
+    """A round's `Moves` as the named tables a kernel reads (see `_pack`)."""
+    return {
+        "src_p": moves.src_p,
+        "dst_p": moves.dst_p,
+        "size_p": moves.size_p,
+        "peer_p": moves.peer_p,
+        "round_p": moves.round_p,
+        "counter_p": moves.counter_p,
+        "count": moves.count,
+        "arrivals_c": moves.arrivals_c,
+        "zero_dst_z": moves.zero_dst_z,
+        "zero_size_z": moves.zero_size_z,
+        "round": jnp.asarray(round_index, jnp.int32),
+    }
+
+
+# The names of `_moves_tables`, in its order.
+_MOVES = ("src_p", "dst_p", "size_p", "peer_p", "round_p", "counter_p", "count", "arrivals_c",
+          "zero_dst_z", "zero_size_z", "round")  # fmt: skip
+
+
 def copy_piece(src_ref, dst_ref, src_row, dst_row, size, stage_smem, loaded) -> None:
     """Rows [src_row, + size) of src_ref to rows [dst_row, + size) of dst_ref (a peer's array
     through `plgpu.remote_ref`, or this device's) through stage_smem [B, D] (B a power of
@@ -129,27 +197,21 @@ def zero_rows(out_ref, dst_row, size, zeros_smem) -> None:
 
 def _send_rows_kernel(
     src_ref,
-    src_p_ref,
-    dst_p_ref,
-    size_p_ref,
-    peer_p_ref,
-    round_p_ref,
-    counter_p_ref,
-    count_ref,
-    arrivals_ref,
-    zero_dst_ref,
-    zero_size_ref,
-    round_ref,
+    tables_ref,
     out_ref,
     stage_smem,
     loaded,
     *,
+    packed: _Packed,
     num_blocks: int,
     num_counters: int,
     num_zeros: int,
     axis_name: str,
     local: bool,
 ):
+    (src_p_ref, dst_p_ref, size_p_ref, peer_p_ref, round_p_ref, counter_p_ref, count_ref,
+     arrivals_ref, zero_dst_ref, zero_size_ref,
+     round_ref) = packed.views(tables_ref, *_MOVES)  # fmt: skip
     block = lax.axis_index("blocks")
     round_index = round_ref[0]
     # One semaphore a counter for the whole kernel (and, through the peers' copies, for every
@@ -218,17 +280,18 @@ def send_rows(
     if num_blocks is None:
         num_blocks = tuning.persistent_grid_size()
     box = stage_rows(d_model, jnp.dtype(src_ad.dtype).itemsize)
+    num_counters = moves.arrivals_c.shape[0]
+    tables, packed = _pack(_moves_tables(moves, round_index), counters=num_counters)
     kernel = functools.partial(
         _send_rows_kernel,
+        packed=packed,
         num_blocks=num_blocks,
-        num_counters=moves.arrivals_c.shape[0],
+        num_counters=num_counters,
         num_zeros=moves.zero_dst_z.shape[0],
         axis_name=axis_name,
         local=lax.axis_size(axis_name) == 1,
     )
     out_type = jax.ShapeDtypeStruct((out_rows, d_model), src_ad.dtype)
-    tables = (moves.src_p, moves.dst_p, moves.size_p, moves.peer_p, moves.round_p,
-              moves.counter_p)  # fmt: skip
     out = plgpu.kernel(
         kernel,
         out_type=out_type,
@@ -239,15 +302,7 @@ def send_rows(
             plgpu.Barrier(num_arrivals=1),
         ],
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )(
-        src_ad,
-        *tables,
-        moves.count.reshape(1),
-        moves.arrivals_c,
-        moves.zero_dst_z,
-        moves.zero_size_z,
-        jnp.asarray(round_index, jnp.int32).reshape(1),
-    )
+    )(src_ad, tables)
     return _like(out, src_ad)
 
 
@@ -267,25 +322,14 @@ def _dispatch_swiglu_kernel(
     schedule_ref,
     src_ref,
     side_ref,
-    src_p_ref,
-    dst_p_ref,
-    size_p_ref,
-    peer_p_ref,
-    round_p_ref,
-    counter_p_ref,
-    count_ref,
-    wait_ref,
-    zero_dst_ref,
-    zero_size_ref,
-    zero_first_ref,
-    zero_end_ref,
-    round_ref,
+    tables_ref,
     w_gate_ref,
     w_up_ref,
     buffer_ref,
     side_out_ref,
     h_ref,
     *,
+    packed: _Packed,
     config,
     gemm_programs: int,
     copy_programs: int,
@@ -296,6 +340,10 @@ def _dispatch_swiglu_kernel(
     axis_name: str,
     local: bool,
 ):
+    (src_p_ref, dst_p_ref, size_p_ref, peer_p_ref, round_p_ref, counter_p_ref, count_ref,
+     wait_ref, zero_dst_ref, zero_size_ref, zero_first_ref, zero_end_ref,
+     round_ref) = packed.views(tables_ref, *_MOVES[:10], "zero_first_z", "zero_end_z",
+                               "round")  # fmt: skip
     program = lax.axis_index("sm")
     # O1. One counter a buffer tile, for the whole kernel and every device (as in send_rows):
     #     the copies into the tile and the zero ranges in it count there.
@@ -466,8 +514,12 @@ def dispatch_swiglu(
     groups_end = jnp.sum(group_sizes_g, dtype=jnp.int32)
     zero_first_z, zero_end_z, wait_c = _zero_signals(moves, groups_end, tile, num_counters)
     schedule_t4 = gmm_kernel.schedule_table(group_sizes_g, num_rows=out_rows, tile_m=config.block_m)
+    named = _moves_tables(moves, round_index)
+    named |= {"arrivals_c": wait_c, "zero_first_z": zero_first_z, "zero_end_z": zero_end_z}
+    tables, packed = _pack(named, counters=num_counters)
     kernel = functools.partial(
         _dispatch_swiglu_kernel,
+        packed=packed,
         config=config,
         gemm_programs=programs - copy_programs,
         copy_programs=copy_programs,
@@ -483,8 +535,6 @@ def dispatch_swiglu(
         jax.ShapeDtypeStruct((kernel_rows, side_ac.shape[1]), side_ac.dtype),
         jax.ShapeDtypeStruct((kernel_rows, w_gate_gdf.shape[2]), src_ad.dtype),
     )
-    tables = (moves.src_p, moves.dst_p, moves.size_p, moves.peer_p, moves.round_p,
-              moves.counter_p)  # fmt: skip
     outs = plgpu.kernel(
         kernel,
         out_type=out_types,
@@ -493,21 +543,7 @@ def dispatch_swiglu(
         num_threads=config.num_consumers + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )(
-        schedule_t4,
-        src_ad,
-        side_ac,
-        *tables,
-        moves.count.reshape(1),
-        wait_c,
-        moves.zero_dst_z,
-        moves.zero_size_z,
-        zero_first_z,
-        zero_end_z,
-        jnp.asarray(round_index, jnp.int32).reshape(1),
-        w_gate_gdf,
-        w_up_gdf,
-    )
+    )(schedule_t4, src_ad, side_ac, tables, w_gate_gdf, w_up_gdf)
     outs = tuple(out[:out_rows] if kernel_rows != out_rows else out for out in outs)
     buffer, side, h = outs
     return _like(buffer, src_ad), _like(side, side_ac), _like(h, src_ad)
@@ -522,21 +558,11 @@ def _down_return_kernel(
     h_ref,
     w_down_ref,
     scale_ref,
-    src_p_ref,
-    dst_p_ref,
-    size_p_ref,
-    peer_p_ref,
-    round_p_ref,
-    first_p_ref,
-    end_p_ref,
-    count_ref,
-    arrivals_ref,
-    zero_dst_ref,
-    zero_size_ref,
-    round_ref,
+    tables_ref,
     y_ref,
     out_ref,
     *,
+    packed: _Packed,
     config,
     gemm_programs: int,
     copy_programs: int,
@@ -547,6 +573,9 @@ def _down_return_kernel(
     axis_name: str,
     local: bool,
 ):
+    (src_p_ref, dst_p_ref, size_p_ref, peer_p_ref, round_p_ref, count_ref, arrivals_ref,
+     zero_dst_ref, zero_size_ref, round_ref, first_p_ref, end_p_ref) = packed.views(
+        tables_ref, *_MOVES[:5], *_MOVES[6:], "first_p", "end_p")  # fmt: skip
     program = lax.axis_index("sm")
     # R1. One counter a row tile of the GEMM's schedule, counting this device's own stores
     #     (its consumers signal, invariant 12 of the grouped GEMM), then one counter for the
@@ -694,8 +723,11 @@ def down_return(
         group_sizes_g, num_rows=num_slots, tile_m=config.block_m
     )
     first_p, end_p = _row_tile_waits(back, schedule_t4)
+    named = _moves_tables(back, round_index) | {"first_p": first_p, "end_p": end_p}
+    tables, packed = _pack(named, counters=schedule_t4.shape[0] + 1)
     kernel = functools.partial(
         _down_return_kernel,
+        packed=packed,
         config=config,
         gemm_programs=programs - copy_programs,
         copy_programs=copy_programs,
@@ -718,23 +750,6 @@ def down_return(
         num_threads=config.num_consumers + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )(
-        schedule_t4,
-        h_sf,
-        w_down_gfd,
-        scale_pad,
-        back.src_p,
-        back.dst_p,
-        back.size_p,
-        back.peer_p,
-        back.round_p,
-        first_p,
-        end_p,
-        back.count.reshape(1),
-        back.arrivals_c,
-        back.zero_dst_z,
-        back.zero_size_z,
-        jnp.asarray(round_index, jnp.int32).reshape(1),
-    )
+    )(schedule_t4, h_sf, w_down_gfd, scale_pad, tables)
     y = y[:num_slots] if kernel_rows != num_slots else y
     return _like(y, h_sf), _like(out, h_sf)

@@ -63,6 +63,25 @@ def placed(mesh, x, counts_se, round_index):
     return put(x, P(AXIS)), put(counts_se, P()), put(jnp.int32(round_index), P())
 
 
+def assert_no_operand_can_share_the_counters(text: str) -> None:
+    """Invariant 5 of the exchange's kernels: in every Mosaic GPU call of the lowering, the
+    counters' zero operand (aliased to an output, written in place) has a type no other
+    operand has, so XLA cannot merge a constant table with it."""
+    calls = re.findall(
+        r"custom_call @mosaic_gpu_v2\(.*?output_operand_aliases = \[(.*?)>\].*?\} : \((.*?)\) ->",
+        text,
+    )
+    assert calls
+    for aliases, operands in calls:
+        types = re.findall(r"tensor<[^>]*>", operands)
+        indices = re.findall(r"operand_index = (\d+)", aliases)
+        assert indices, aliases  # the counters' zero operand
+        for index in indices:
+            counters = types[int(index)]
+            others = types[: int(index)] + types[int(index) + 1 :]
+            assert counters not in others, (counters, types)
+
+
 def test_dispatch_lowers_for_cuda_inside_shard_map_on_8_devices():
     num_devices, num_local, num_rows, window, tile, d_model = 8, 4, 512, 640, 64, 2048
     mesh = jax.make_mesh((num_devices,), (AXIS,))
@@ -90,6 +109,35 @@ def test_dispatch_lowers_for_cuda_inside_shard_map_on_8_devices():
     assert re.search(rf"dims = \[\] : \(tensor<i32>\) -> tensor<{num_tiles}xi32>", text)
     assert f"tensor<{132 * num_tiles}xi32>" not in text
     assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 2
+    assert_no_operand_can_share_the_counters(text)
+
+
+def test_the_return_tables_cannot_share_its_one_counter():
+    """The return counts on one counter ([1]) and has no zero ranges (constant zeros of shape
+    [1]): before the tables were packed into one operand, XLA gave the zero ranges the
+    counters' buffer, and the kernel read them as the counter counted (invariant 5)."""
+    num_local, num_rows, window, tile, d_model = 3, 200, 96, 8, 2048
+    mesh = jax.make_mesh((1,), (AXIS,), devices=jax.devices()[:1])
+    slots = xp.num_tiles(window, tile, num_local) * tile
+
+    def body(y, counts_se, round_index):
+        t = exchange.traffic(counts_se, num_local)
+        _, back = xp.exchange_moves(t, jnp.int32(0), round_index, num_rows, window, tile)
+        assert back.arrivals_c.shape == back.zero_dst_z.shape == (1,)
+        return mosaic_gpu.send_rows(y, back, round_index, out_rows=num_rows, axis_name=AXIS)
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS), P(), P()), out_specs=P(AXIS)))
+    sharded = lambda shape, dtype, spec: jax.ShapeDtypeStruct(  # noqa: E731
+        shape, dtype, sharding=jax.NamedSharding(mesh, spec)
+    )
+    args = (
+        sharded((slots, d_model), jnp.float32, P(AXIS)),
+        sharded((1, num_local), jnp.int32, P()),
+        sharded((), jnp.int32, P()),
+    )
+    assert_no_operand_can_share_the_counters(
+        fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    )
 
 
 def test_bad_tables_raise():
@@ -390,6 +438,7 @@ def test_dispatch_swiglu_lowers_for_cuda_inside_shard_map_on_8_devices():
     assert "skip_device_barrier = false" in text
     num_tiles = xp.num_tiles(window, tile, num_local)
     assert re.search(rf"dims = \[\] : \(tensor<i32>\) -> tensor<{num_tiles}xi32>", text)
+    assert_no_operand_can_share_the_counters(text)
     # Every program copying (no GEMM program left), or more programs than SMs: refused.
     for programs in (132, 500):
         bad, _ = dispatch_swiglu_fn(num_local, num_rows, window, tile, copy_programs=programs)
@@ -589,6 +638,7 @@ def test_down_return_lowers_for_cuda_inside_shard_map_on_8_devices():
     block_m = grouped.scaled_config(n=d_model, dtype=jnp.bfloat16).block_m
     counters = pl.cdiv(slots, block_m) + num_local + 1
     assert re.search(rf"dims = \[\] : \(tensor<i32>\) -> tensor<{counters}xi32>", text)
+    assert_no_operand_can_share_the_counters(text)
     for programs in (132, 500):
         bad, _ = down_return_fn(num_local, num_rows, window, tile, copy_programs=programs)
         bad = jax.jit(jax.shard_map(bad, **specs))
