@@ -4,7 +4,8 @@
         [--implementations pallas,fused] [--products forward,fwd_bwd] [--iters 3]
         [--token-chunks 512,2048] [--no-command-buffers]
 
-An implementation suffixed "_mesh1" (e.g. fused_mesh1) runs under a 1-device mesh.
+An implementation suffixed "_meshN" (e.g. fused_mesh1, fused_mesh2) runs under an N-device
+expert mesh with N times the shape's tokens; the kernel times are then the first GPU's.
 
 For each shape, implementation and product (the forward, or the forward and backward of
 sum(y * cotangent), as in bench/fused_probe.py), after warm-up, records `iters` calls under
@@ -47,9 +48,10 @@ from mok_jax import init_params, make_mesh, moe, presets, scale_down
 
 # exchange_experts: `fused` under a mesh, whose kernels exchange rows while they compute.
 STAGES = ("route", "plan", "dispatch", "exchange_experts", "experts", "return", "combine", "aux")
-# An implementation name with this suffix runs under a 1-device mesh ("fused_mesh1": the
-# in-kernel exchange's kernels, copying to the device itself).
-MESH1 = "_mesh1"
+# An implementation name suffixed "_meshN" runs under an N-device expert mesh with N times the
+# shape's tokens (the same tokens a device; "fused_mesh1": the in-kernel exchange's kernels,
+# copying to the device itself). Kernel times are the first GPU's.
+_MESH = re.compile(r"(.+)_mesh(\d+)")
 OTHER = "other"
 # (preset, tokens T) of issue 5's layer benchmark; E, k, D, F from the preset.
 SHAPES = {
@@ -83,12 +85,13 @@ def stage_of_instructions(hlo_text: str) -> dict[str, str]:
 
 
 def _device_events(xspace_path: str, module: str):
-    """(hlo_op, start_ns, duration_ns) of every event of `module`'s kernels: on the GPU planes
-    if there are any, else the host's XLA thunks."""
+    """(hlo_op, start_ns, duration_ns) of every event of `module`'s kernels: on the first GPU's
+    plane if there is one (with several GPUs, one device's kernels), else the host's XLA
+    thunks."""
     from jax._src.lib import _profile_data
 
     profile = _profile_data.ProfileData.from_file(xspace_path)
-    planes = [p for p in profile.planes if p.name.startswith("/device:GPU")]
+    planes = [p for p in profile.planes if p.name == "/device:GPU:0"]
     planes = planes or [p for p in profile.planes if p.name.startswith("/host:CPU")]
     events = []
     for plane in planes:
@@ -147,11 +150,14 @@ def profile_calls(fn: Callable, args: Sequence, *, iters: int, warmup: int = 2) 
 
 
 def _layer(name: str, implementation: str, product: str, token_chunk: int | None = None):
-    mesh = None
-    if implementation.endswith(MESH1):
-        implementation = implementation.removesuffix(MESH1)
-        mesh = make_mesh("expert", devices=jax.devices()[:1])
+    mesh, num_devices = None, 1
+    if found := _MESH.fullmatch(implementation):
+        implementation, num_devices = found.group(1), int(found.group(2))
+        if not 1 <= num_devices <= len(jax.devices()):
+            raise ValueError(f"{found.group(0)} needs {num_devices} devices of {jax.devices()}")
+        mesh = make_mesh("expert", devices=jax.devices()[:num_devices])
     preset, tokens, experts = SHAPES[name]
+    tokens *= num_devices
     cfg = presets[preset]
     if name == "tiny":
         cfg = scale_down(cfg)

@@ -160,13 +160,15 @@ class MoEConfig:
         it (a row's result does not depend on its tile): tested at 3 and 4 on the CPU and at
         16, 64 and 128 on one H200.
       exchange_programs: with implementation 'fused' under a mesh, the share of the GPU given
-        to the dispatch's copies: the programs (one a streaming multiprocessor, of 132 on the
+        to the exchange's copies: the programs (one a streaming multiprocessor, of 132 on the
         H200) of the first expert GEMMs' kernel that copy the round's rows to the devices that
-        own their experts, while the others run each GEMM tile as soon as its rows are in. 0:
-        the dispatch runs as its own kernel, on every SM, before the GEMMs. y and dx do not
-        depend on it. On one H200 (a 1-device mesh, qwen3_30b_a3b, 4096 tokens) 16 gave a
-        forward of 3.05 ms against 3.08 with 0; across GPUs, where the copies cost more, not
-        yet timed (bench/results/2026-12-01_exchange_overlap_h200_s12/).
+        own their experts, while the others run each GEMM tile as soon as its rows are in; and
+        of the down projection's kernel, that send each piece of results back as soon as its
+        rows are stored. 0: the dispatch and the return run as kernels of their own, on every
+        SM. y and dx do not depend on it. Default 24: on one H200, at qwen3_30b_a3b's round
+        with an EP > 1 buffer, both kernels took 1.53 ms at 24, 1.66 at 16 and 1.71 as separate
+        kernels (bench/results/2026-12-01_exchange_tail_h200_s13/); across GPUs, where the
+        copies cost more, not yet timed.
       token_chunk: tokens per step of the token-wise stages (routing, combine, shared experts),
         which run in fixed-shape chunks of this many tokens (zero-padded, at least two) so that
         a token's bits do not depend on how many tokens a device holds; None: 8 * row_tile
@@ -214,7 +216,7 @@ class MoEConfig:
     buffer_factor: float = 2.0
     row_tile: int = 64
     exchange_tile: int = 64
-    exchange_programs: int = 16
+    exchange_programs: int = 24
     fused_rows: FusedRows = "copied"
     fused_residuals: FusedResiduals = "inputs"
     fused_recompute: FusedRecompute = "gmm"

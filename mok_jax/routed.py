@@ -56,8 +56,9 @@ class RoutedSpec:
         exchange inside kernels, `exchange` ignored; the rows come with their routing weights).
       recompute: with "fused", how the backward recomputes gate and up (`ops.Recompute`).
       exchange_tile: with "fused", rows per tile of the receive buffer (`MoEConfig`).
-      exchange_programs: with "fused", the programs of the first GEMMs' kernel that run the
-        dispatch's copies (0: the dispatch is its own kernel before them; `MoEConfig`).
+      exchange_programs: with "fused", the programs of the first and last GEMMs' kernels that
+        run the dispatch's and the return's copies (0: each is a kernel of its own;
+        `MoEConfig`).
     """
 
     axis: str | None
@@ -71,7 +72,7 @@ class RoutedSpec:
     kernel: Literal["xla", "pallas", "fused"] = "xla"
     recompute: FusedRecompute = "gmm"
     exchange_tile: int = 64
-    exchange_programs: int = 16
+    exchange_programs: int = 24
 
 
 def _me(spec: RoutedSpec) -> Array:

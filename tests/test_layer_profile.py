@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 from bench import layer_profile
 
@@ -51,3 +52,12 @@ def test_the_table_shows_each_calls_kernel_time_once():
     }
     row = layer_profile.render([record]).splitlines()[2]
     assert row.startswith("| s | pallas | default | forward | 9.000 | 6.000 | 4 | 1.500 (1) |"), row
+
+
+def test_an_implementation_on_a_mesh_of_n_devices_keeps_the_tokens_a_device():
+    """ "fused_mesh2": the layer under a 2-device expert mesh with twice the shape's tokens."""
+    _, (x1, _) = layer_profile._layer("tiny", "fused_mesh1", "forward")
+    _, (x2, _) = layer_profile._layer("tiny", "fused_mesh2", "forward")
+    assert x2.shape[0] == 2 * x1.shape[0] == 2 * layer_profile.SHAPES["tiny"][1]
+    with pytest.raises(ValueError, match="devices"):
+        layer_profile._layer("tiny", f"fused_mesh{len(jax.devices()) + 1}", "forward")

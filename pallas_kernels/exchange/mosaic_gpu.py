@@ -4,15 +4,19 @@ signals a counter there once a copy; each device returns once each of its own co
 counted the copies the protocol says it gets. No collective launch, no host sync, no placement
 by arrival: the tables (`Moves`) come from mok_jax/exchange_protocol.py. The forward's dispatch
 (rows -> the receivers' tile-aligned buffers, a counter a tile) and return (results -> the rows'
-own positions, one counter) are both this kernel, with the two directions' tables.
+own positions, one counter) are both this kernel, with the two directions' tables, when they
+are not overlapped with the GEMMs (below).
 
 Status (2026-12-01): correct on the H200 with a 1-device mesh (the copies go to the device
 itself) and across two H200s over NVLink (nvidia-h200-x2: the GPU tests, and `fused` at EP 2
 bitwise equal to one GPU; bench/results/2026-12-01_exchange_overlap_h200_s12/); it lowers for
 CUDA inside shard_map on 8 devices (CI). Rows move through shared memory in boxes of whole rows
-(up to 64 KiB), one load and one store in flight a copier. `dispatch_swiglu` (below) runs the
-forward's dispatch inside the gate/up GEMMs' kernel, each GEMM tile starting once its rows are
-in; the return and the backward's copies are still kernels of their own.
+(up to 64 KiB), one load and one store in flight a copier (~10-13 GB/s a copier in HBM).
+`dispatch_swiglu` (below) runs the forward's dispatch inside the gate/up GEMMs' kernel, each
+GEMM tile starting once its rows are in, and `down_return` the return inside the down
+projection's kernel, each piece leaving once its rows are stored (both bitwise equal to the
+separate kernels on one H200, session 13, bench/results/2026-12-01_exchange_tail_h200_s13/; not
+yet run across GPUs); the backward's copies are still kernels of their own.
 
 Invariants (send_rows; dispatch_swiglu's O1-O3 are in its body):
   1. Each output row is written by one copy, once a round (the protocol's destinations are
@@ -474,7 +478,7 @@ def dispatch_swiglu(
     out_rows: int,
     tile: int,
     axis_name: str,
-    copy_programs: int = 16,
+    copy_programs: int = 24,
 ) -> tuple[Array, Array, Array]:
     """The dispatch of round `round_index` and the first expert GEMMs in one kernel, overlapped:
     -> (buffer [out_rows, D], side [out_rows, C], h [out_rows, F]).
@@ -684,7 +688,7 @@ def down_return(
     *,
     out_rows: int,
     axis_name: str,
-    copy_programs: int = 16,
+    copy_programs: int = 24,
 ) -> tuple[Array, Array]:
     """The down projection of round `round_index` and the return of its results in one kernel,
     overlapped: -> (y [S, D] f32, out [out_rows, D] f32).

@@ -240,7 +240,7 @@ def dispatch_mlp(
     tile: int,
     axis_name: str,
     recompute: grouped_ops.Recompute = "gmm",
-    copy_programs: int = 16,
+    copy_programs: int = 24,
     interpret: bool = False,
 ) -> Array:
     """Round `round_index` of the exchange and the expert MLP: this device's rows x [N, D] with
