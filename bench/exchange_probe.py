@@ -339,6 +339,9 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--child", choices=PROBES, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.window_factor < 1:
+        # The overlap probe checks and counts one round: a smaller window takes several.
+        parser.error(f"--window-factor must be >= 1, got {args.window_factor}")
     if args.child:
         ints = lambda text: tuple(int(v) for v in text.split(","))  # noqa: E731
         _run_one(args.child, ints(args.tiles), ints(args.programs), args.window_factor)

@@ -8,7 +8,8 @@ own positions, one counter) are both this kernel, with the two directions' table
 are not overlapped with the GEMMs (below).
 
 Status (2026-12-01): correct on the H200 with a 1-device mesh (the copies go to the device
-itself) and across two H200s over NVLink (nvidia-h200-x2: the GPU tests, and `fused` at EP 2
+itself) and, as of session 12 (before the zero ranges moved after the copies and the tables
+were packed), across two H200s over NVLink (nvidia-h200-x2: the GPU tests, and `fused` at EP 2
 bitwise equal to one GPU; bench/results/2026-12-01_exchange_overlap_h200_s12/); it lowers for
 CUDA inside shard_map on 8 devices (CI). Rows move through shared memory in boxes of whole rows
 (up to 64 KiB), one load and one store in flight a copier (~10-13 GB/s a copier in HBM).
@@ -18,7 +19,7 @@ projection's kernel, each piece leaving once its rows are stored (both bitwise e
 separate kernels on one H200, session 13, bench/results/2026-12-01_exchange_tail_h200_s13/; not
 yet run across GPUs); the backward's copies are still kernels of their own.
 
-Invariants (send_rows; dispatch_swiglu's O1-O3 are in its body):
+Invariants (send_rows; dispatch_swiglu's O1-O3 and down_return's R1-R3 are in their bodies):
   1. Each output row is written by one copy, once a round (the protocol's destinations are
      distinct), so no two stores race.
   2. A copy's signal follows its rows: the kernel waits for the copy's stores to complete
@@ -125,7 +126,7 @@ class _Column:
 
 def _pack(tables: dict[str, Array], *, counters: int) -> tuple[Array, _Packed]:
     """The int32 tables as one 1-D operand and their offsets (invariant 5). Its length is
-    never the counters' (a table of the counters' length is padded by one entry)."""
+    never the counters' (an operand that would have it gets one more entry)."""
     parts, offsets, at = [], [], 0
     for name, table in tables.items():
         table = jnp.asarray(table, jnp.int32).reshape(-1)
@@ -500,7 +501,15 @@ def dispatch_swiglu(
     num_counters = moves.arrivals_c.shape[0]
     if num_counters * tile != out_rows:
         raise ValueError(f"{num_counters} counters of {tile} rows must cover out_rows={out_rows}")
+    names = ("w_gate", "w_up")
+    gmm_kernel._check_inputs(src_ad, (w_gate_gdf, w_up_gdf), group_sizes_g, names)
+    if w_gate_gdf.shape[1] != d_model:
+        raise ValueError(f"src D={d_model} must equal w_gate's (shape {w_gate_gdf.shape})")
     config = gmm_kernel.swiglu_config(f=w_gate_gdf.shape[2], dtype=src_ad.dtype)
+    itemsize = jnp.dtype(src_ad.dtype).itemsize
+    gmm_kernel._check_config(
+        config, k=d_model, n=w_gate_gdf.shape[2], itemsize=itemsize, out_itemsize=itemsize, nr=2
+    )
     programs = tuning.persistent_grid_size()
     if not 0 < copy_programs < programs:
         raise ValueError(
@@ -710,7 +719,12 @@ def down_return(
     if back.arrivals_c.shape != (1,):
         raise ValueError(f"the return counts on one counter, got arrivals {back.arrivals_c.shape}")
     d_model = w_down_gfd.shape[2]
+    gmm_kernel._check_inputs(h_sf, (w_down_gfd,), group_sizes_g, ("w_down",))
     config = gmm_kernel.scaled_config(n=d_model, dtype=h_sf.dtype)
+    itemsize = jnp.dtype(h_sf.dtype).itemsize
+    gmm_kernel._check_config(
+        config, k=h_sf.shape[1], n=d_model, itemsize=itemsize, out_itemsize=4, nr=1
+    )
     programs = tuning.persistent_grid_size()
     if not 0 < copy_programs < programs:
         raise ValueError(

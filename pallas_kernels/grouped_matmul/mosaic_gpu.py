@@ -104,14 +104,18 @@ Invariants (numbered; the tests check each):
      before a tile's first load the producer waits (`before_tile`) until the lhs rows the
      tile stores are in place. Rows a tile loads and does not store may still be arriving:
      invariant 4 computes them and never stores them. What a tile waits for must not wait for
-     the tiles: the exchange's copy programs never wait, and they come first in the grid, so
-     they are started before any GEMM program that waits for them.
+     the tiles: the dispatch's copy programs wait for nothing, and they come first in the
+     grid, so they are started before any GEMM program that waits for them.
  12. With `after_tile` (`scaled_programs`: the return's copies read the output while the tiles
-     run), each consumer, after the epilogue of each tile it stores rows of (a tile of a group
-     or of the rows past them), waits until its stores have completed and then calls
-     after_tile(mi), mi the tile's row tile: once the tile's num_tiles_n column tiles have each
-     signalled from all num_consumers consumers, every row the row tile stores is in memory.
-     Signals follow the stores; nothing in the tiles waits for anyone.
+     run), each consumer, after the epilogue of every tile that stores rows (hi > lo: a tile
+     of a group or of the rows past them, even where this consumer's part of it stores none),
+     waits until its stores have completed and then calls after_tile(mi), mi the tile's row
+     tile: once the tile's num_tiles_n column tiles have each signalled from all
+     num_consumers consumers, every row the row tile stores is in memory. Signals follow the
+     stores; the tiles wait for nothing, so the programs that wait for them (the return's
+     copy programs, first in the grid) cannot hold them up. Checked with the exchange's
+     kernel (tests/pallas_kernels/exchange: `down_return`'s GPU twin, and the host test of
+     the waits).
 """
 
 from __future__ import annotations

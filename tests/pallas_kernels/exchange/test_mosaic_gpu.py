@@ -555,7 +555,6 @@ def test_gpu_dispatch_swiglu_gives_the_bits_of_the_separate_kernels(
     counts_se = random_counts(2, len(devices), num_local, num_rows)
     t = exchange.traffic(jnp.asarray(counts_se), num_local)
     rounds = int(exchange.window_rounds(t, window))
-    inputs = dispatch_swiglu_inputs(mesh, num_local, num_rows, d_model, d_ff)
     specs = dict(mesh=mesh, in_specs=(P(AXIS),) * 4 + (P(), P()), out_specs=(P(AXIS),) * 3)
     runs = [
         jax.jit(jax.shard_map(dispatch_swiglu_fn(num_local, num_rows, window, tile,
@@ -564,6 +563,8 @@ def test_gpu_dispatch_swiglu_gives_the_bits_of_the_separate_kernels(
     ]  # fmt: skip
     put = lambda a: jax.device_put(jnp.asarray(a), jax.NamedSharding(mesh, P()))  # noqa: E731
     for r in range(rounds):
+        # Other inputs each round (as in the down_return twin: no stale buffer can pass).
+        inputs = dispatch_swiglu_inputs(mesh, num_local, num_rows, d_model, d_ff, seed=r)
         got, want = (run(*inputs, put(counts_se), put(jnp.int32(r))) for run in runs)
         chex.assert_trees_all_equal(got, want)
 
@@ -644,6 +645,20 @@ def test_down_return_lowers_for_cuda_inside_shard_map_on_8_devices():
         bad = jax.jit(jax.shard_map(bad, **specs))
         with pytest.raises(ValueError, match="copy_programs"):
             bad.trace(*args)
+    # The GEMM's inputs are checked as gmm checks them: w_down of another dtype, and an F that
+    # is no multiple of the tiles' block_k (its last K step would be dropped).
+    for h_type, w_type, match in (
+        ((num_devices * slots, d_ff), (num_devices * num_local, d_ff, d_model), "dtype"),
+        ((num_devices * slots, 96), (num_devices * num_local, 96, d_model), "block_k"),
+    ):
+        bad_args = (
+            sharded(h_type, jnp.bfloat16, P(AXIS)),
+            args[1],
+            sharded(w_type, jnp.float16 if match == "dtype" else jnp.bfloat16, P(AXIS)),
+            *args[3:],
+        )
+        with pytest.raises(ValueError, match=match):
+            fn.trace(*bad_args)
 
 
 @pytest.mark.parametrize(
@@ -702,7 +717,6 @@ def test_gpu_down_return_gives_the_bits_of_the_separate_kernels(
     t = exchange.traffic(jnp.asarray(counts_se), num_local)
     rounds = int(exchange.window_rounds(t, window))
     slots = xp.num_tiles(window, tile, num_local) * tile
-    inputs = down_return_inputs(mesh, num_local, slots, d_model, d_ff)
     specs = dict(mesh=mesh, in_specs=(P(AXIS),) * 3 + (P(), P()), out_specs=(P(AXIS),) * 2)
     runs = [
         jax.jit(jax.shard_map(down_return_fn(num_local, num_rows, window, tile,
@@ -711,6 +725,9 @@ def test_gpu_down_return_gives_the_bits_of_the_separate_kernels(
     ]  # fmt: skip
     put = lambda a: jax.device_put(jnp.asarray(a), jax.NamedSharding(mesh, P()))  # noqa: E731
     for r in range(rounds):
+        # Other inputs each round: an output buffer that still held an earlier round's results
+        # could not pass for this one's (a copy that ran before its rows were stored).
+        inputs = down_return_inputs(mesh, num_local, slots, d_model, d_ff, seed=r)
         (y, out), (want_y, want_out) = (
             run(*inputs, put(counts_se), put(jnp.int32(r))) for run in runs
         )
