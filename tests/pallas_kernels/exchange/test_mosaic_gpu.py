@@ -263,10 +263,13 @@ def test_the_piece_copies_place_every_row_in_interpret_mode():
         np.testing.assert_array_equal(np.asarray(got)[mask], want[0, r][mask])
 
 
-def test_copy_piece_moves_every_size_in_interpret_mode():
-    """`copy_piece` with a stage of 4 rows, sizes 0 to 13 (full boxes and every combination of
-    the rest's boxes), each piece one row apart from the next in an output that starts as a
-    sentinel: exactly the piece's rows move, in order, and no other row changes."""
+@pytest.mark.parametrize("stages", [1, 2, 3])
+def test_copy_piece_moves_every_size_in_interpret_mode(stages):
+    """`copy_piece` with a stage of 4 rows (or `copy_piece_pipelined` with 2 or 3 of them),
+    sizes 0 to 13 (full boxes and every combination of the rest's boxes), each piece one row
+    apart from the next in an output that starts as a sentinel: exactly the piece's rows move,
+    in order, and no other row changes. The interpreter checks each barrier's arrivals and
+    phases, so a load waited for twice, or never, fails."""
     sizes = np.arange(14, dtype=np.int32)
     dst = np.concatenate([[0], np.cumsum(sizes + 1)[:-1]]).astype(np.int32)  # a gap each
     src = np.asarray((np.arange(14) * 5) % 17, np.int32)
@@ -277,15 +280,22 @@ def test_copy_piece_moves_every_size_in_interpret_mode():
     def copies(x_ref, src_ref, dst_ref, size_ref, sentinel_ref, out_ref, stage_smem, loaded):
         out_ref[...] = sentinel_ref[...]
 
+        copy = mosaic_gpu.copy_piece if stages == 1 else mosaic_gpu.copy_piece_pipelined
+
         @pl.loop(0, sizes.size)
         def _piece(p):
-            mosaic_gpu.copy_piece(x_ref, out_ref, src_ref[p], dst_ref[p], size_ref[p],
-                                  stage_smem, loaded)  # fmt: skip
+            copy(x_ref, out_ref, src_ref[p], dst_ref[p], size_ref[p], stage_smem, loaded)
 
+    stage_shape = (4, 8) if stages == 1 else (stages, 4, 8)
     run = plgpu.kernel(
         copies,
         out_type=jax.ShapeDtypeStruct((out_rows, 8), jnp.float32),
-        scratch_types=[plgpu.SMEM((4, 8), jnp.float32), plgpu.Barrier(num_arrivals=1)],
+        scratch_types=[
+            plgpu.SMEM(stage_shape, jnp.float32),
+            plgpu.Barrier(num_arrivals=1, num_barriers=stages)
+            if stages > 1
+            else plgpu.Barrier(num_arrivals=1),
+        ],
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams(),
     )
@@ -293,6 +303,37 @@ def test_copy_piece_moves_every_size_in_interpret_mode():
     for a, b, n in zip(src, dst, sizes, strict=True):
         want[b : b + n] = x[a : a + n]
     chex.assert_trees_all_equal(np.asarray(run(x, src, dst, sizes, sentinel)), want)
+
+
+def test_copy_piece_pipelined_lowers_for_cuda():
+    """The pipelined copy lowers to a Mosaic GPU kernel for CUDA (its stages and barriers
+    indexed by traced box numbers), and refuses a single stage."""
+    x = jax.ShapeDtypeStruct((256, 2048), jnp.bfloat16)
+    table = jax.ShapeDtypeStruct((3,), jnp.int32)
+
+    def kernel(stages: int):
+        def copies(x_ref, src_ref, dst_ref, size_ref, out_ref, stage_smem, loaded):
+            @pl.loop(0, 3)
+            def _piece(p):
+                mosaic_gpu.copy_piece_pipelined(x_ref, out_ref, src_ref[p], dst_ref[p],
+                                                size_ref[p], stage_smem, loaded)  # fmt: skip
+
+        return plgpu.kernel(
+            copies,
+            out_type=jax.ShapeDtypeStruct((256, 2048), jnp.bfloat16),
+            scratch_types=[
+                plgpu.SMEM((stages, 8, 2048), jnp.bfloat16),
+                plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+            ],
+            compiler_params=plgpu.CompilerParams(
+                lowering_semantics=plgpu.LoweringSemantics.Warpgroup
+            ),
+        )
+
+    text = jax.jit(kernel(2)).trace(x, table, table, table).lower(lowering_platforms=("cuda",))
+    assert re.search(r"custom_call @mosaic_gpu", text.as_text())
+    with pytest.raises(ValueError, match="2 or more stages"):
+        jax.jit(kernel(1)).trace(x, table, table, table)
 
 
 def test_zero_rows_in_interpret_mode():
