@@ -14,7 +14,8 @@ Probes (one device, one mesh axis of size 1 where shard_map is used):
                    one kernel with each of --programs copy programs, against the separate
                    kernels (0): bitwise, timed; and the copies alone on 16, 48 and all
                    blocks; then the down projection and the return of the round's results
-                   the same two ways (`down_return` against gmm then send_rows)
+                   the same two ways (`down_return` against gmm then send_rows); each at
+                   each of --copy-stages (the copiers' pipelining)
   layer            `fused` at qwen3_30b_a3b (4096 tokens) on a 1-device mesh (the exchange's
                    kernels, one round) at each of --tiles (exchange_tile) and --programs
                    (exchange_programs) against `fused` without a mesh: y and dx bitwise,
@@ -24,6 +25,7 @@ Probes (one device, one mesh axis of size 1 where shard_map is used):
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import subprocess
 import sys
@@ -159,7 +161,7 @@ def _median_ms(fn, *args, iters: int = 10) -> float:
     return float(np.median(_timed_ms(fn, *args, iters=iters)))
 
 
-def _overlap(programs: tuple[int, ...], window_factor: float) -> dict:
+def _overlap(programs: tuple[int, ...], window_factor: float, stages: tuple[int, ...]) -> dict:
     import jax
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
@@ -194,20 +196,23 @@ def _overlap(programs: tuple[int, ...], window_factor: float) -> dict:
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(axis),) * num_in + (P(), P()),
                                      out_specs=P(axis)))  # fmt: skip
 
-    def send(x, moves, round_index, num_blocks=None):
+    def send(x, moves, round_index, num_blocks=None, copy_stages=1):
         return mosaic_gpu.send_rows(x, moves, round_index, axis_name=axis, out_rows=slots,
-                                    num_blocks=num_blocks)  # fmt: skip
+                                    num_blocks=num_blocks, copy_stages=copy_stages)  # fmt: skip
+
+    def key(name: str, s: int) -> str:  # copy stages other than 1 named in the record
+        return name if s == 1 else f"{name}_stages{s}"
 
     def separate(x, side, w_gate, w_up, moves, group_sizes):
         buf = send(x, moves, zero)
         h = grouped.gmm_swiglu(buf, w_gate, w_up, group_sizes)
         return buf, send(side, moves, zero), mosaic_gpu._like(h, buf)
 
-    def overlapped(c):
+    def overlapped(c, s):
         def run(x, side, w_gate, w_up, moves, group_sizes):
             return mosaic_gpu.dispatch_swiglu(x, side, moves, zero, w_gate, w_up, group_sizes,
                                               out_rows=slots, tile=tile, axis_name=axis,
-                                              copy_programs=c)  # fmt: skip
+                                              copy_programs=c, copy_stages=s)  # fmt: skip
 
         return run
 
@@ -219,20 +224,22 @@ def _overlap(programs: tuple[int, ...], window_factor: float) -> dict:
     # The parts of the separate version, alone: the copies of x (and the zero ranges) with
     # send_rows on 16, 48 and all blocks (one copier a block; dispatch_swiglu's copy programs
     # have three), and gate/up on their buffer.
-    for blocks in (16, 48, None):
-        fn = sharded(lambda x, *a, b=blocks: send(x, a[3], zero, num_blocks=b), 4)
-        record[f"send_x_blocks{blocks or 'all'}_ms"] = _median_ms(fn, *args)
+    for blocks, s in itertools.product((16, 48, None), stages):
+        fn = sharded(lambda x, *a, b=blocks, s=s: send(x, a[3], zero, b, s), 4)
+        got = fn(*args)
+        record["ok"] &= bool(jnp.all(got[:groups_end] == want[0][:groups_end]))
+        record[key(f"send_x_blocks{blocks or 'all'}_ms", s)] = _median_ms(fn, *args)
     gemm = jax.jit(lambda buf, wg, wu, g: grouped.gmm_swiglu(buf, wg, wu, g))
     # Off the mesh: plain arrays (an array placed on the mesh keeps its sharding's type).
     one = lambda a: jnp.asarray(np.asarray(a))  # noqa: E731
     gemm_args = (one(want[0]), one(w_gate), one(w_up), one(group_sizes))
     record["gate_up_ms"] = _median_ms(gemm, *gemm_args, iters=20)
     record["programs0_ms"] = _median_ms(sharded(lambda *a: separate(*a), 4), *args, iters=20)
-    for c in programs:
-        fn = sharded(overlapped(c), 4)
+    for c, s in itertools.product(programs, stages):
+        fn = sharded(overlapped(c, s), 4)
         got = fn(*args)
         record["ok"] &= all(bool(jnp.all(a == b)) for a, b in zip(got, want, strict=True))
-        record[f"programs{c}_ms"] = _median_ms(fn, *args, iters=20)
+        record[key(f"programs{c}_ms", s)] = _median_ms(fn, *args, iters=20)
         print(json.dumps({"partial": True, **record}), flush=True)
 
     # The way back: the down projection (the weights in its epilogue) and the return of the
@@ -245,11 +252,11 @@ def _overlap(programs: tuple[int, ...], window_factor: float) -> dict:
         y = mosaic_gpu._like(y, h)
         return mosaic_gpu.send_rows(y, back, zero, axis_name=axis, out_rows=num_rows)
 
-    def back_overlapped(c):
+    def back_overlapped(c, s):
         def run(h, side_s, w_down, back, group_sizes):
             return mosaic_gpu.down_return(h, side_s[:, 0], w_down, group_sizes, back, zero,
                                           out_rows=num_rows, axis_name=axis,
-                                          copy_programs=c)[1]  # fmt: skip
+                                          copy_programs=c, copy_stages=s)[1]  # fmt: skip
 
         return run
 
@@ -259,10 +266,10 @@ def _overlap(programs: tuple[int, ...], window_factor: float) -> dict:
     down_args = (one(want[2]), one(w_down), one(group_sizes), one(want[1])[:, 0])
     record["down_ms"] = _median_ms(down, *down_args, iters=20)
     record["return_programs0_ms"] = _median_ms(sharded(back_separate, 3), *back_args, iters=20)
-    for c in programs:
-        fn = sharded(back_overlapped(c), 3)
+    for c, s in itertools.product(programs, stages):
+        fn = sharded(back_overlapped(c, s), 3)
         record["ok"] &= bool(jnp.all(fn(*back_args) == want_back))
-        record[f"return_programs{c}_ms"] = _median_ms(fn, *back_args, iters=20)
+        record[key(f"return_programs{c}_ms", s)] = _median_ms(fn, *back_args, iters=20)
         print(json.dumps({"partial": True, **record}), flush=True)
     return record
 
@@ -310,14 +317,18 @@ def _layer(tiles: tuple[int, ...], programs: tuple[int, ...]) -> dict:
 
 
 def _run_one(
-    name: str, tiles: tuple[int, ...], programs: tuple[int, ...], window_factor: float
+    name: str,
+    tiles: tuple[int, ...],
+    programs: tuple[int, ...],
+    window_factor: float,
+    stages: tuple[int, ...],
 ) -> None:
     record = {"probe": name}
     start = time.perf_counter()
     if name == "layer":
         record.update(_layer(tiles, programs))
     elif name == "overlap":
-        record.update(_overlap(tuple(c for c in programs if c), window_factor))
+        record.update(_overlap(tuple(c for c in programs if c), window_factor, stages))
     else:
         record.update(globals()[f"_{name}"]())
     record["seconds"] = time.perf_counter() - start
@@ -337,6 +348,10 @@ def main() -> None:
         "--window-factor", type=float, default=2.0,
         help="overlap: the window as a multiple of the rows (the layer's buffer_factor at EP > 1)",
     )  # fmt: skip
+    parser.add_argument(
+        "--copy-stages", default="1",
+        help="overlap: the copiers' stages (1: copy_piece; 2, 4: copy_piece_pipelined)",
+    )  # fmt: skip
     parser.add_argument("--child", choices=PROBES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.window_factor < 1:
@@ -344,13 +359,15 @@ def main() -> None:
         parser.error(f"--window-factor must be >= 1, got {args.window_factor}")
     if args.child:
         ints = lambda text: tuple(int(v) for v in text.split(","))  # noqa: E731
-        _run_one(args.child, ints(args.tiles), ints(args.programs), args.window_factor)
+        _run_one(args.child, ints(args.tiles), ints(args.programs), args.window_factor,
+                 ints(args.copy_stages))  # fmt: skip
         return
     records = []
     for name in [args.only] if args.only else PROBES:
         cmd = [sys.executable, "-m", "bench.exchange_probe", "--out", "-", "--child", name,
                "--tiles", args.tiles, "--programs", args.programs,
-               "--window-factor", str(args.window_factor)]  # fmt: skip
+               "--window-factor", str(args.window_factor),
+               "--copy-stages", args.copy_stages]  # fmt: skip
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
             lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]

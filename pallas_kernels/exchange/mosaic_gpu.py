@@ -196,13 +196,17 @@ def copy_piece(src_ref, dst_ref, src_row, dst_row, size, stage_smem, loaded) -> 
     plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 
 
-def copy_piece_pipelined(src_ref, dst_ref, src_row, dst_row, size, stages_smem, loaded) -> None:
-    """`copy_piece` through S >= 2 stages (stages_smem [S, B, D], `loaded` S barriers of one
-    arrival), so that loads and stores overlap: the full boxes of B rows stream through the
-    stages in turn, box i + S - 1 loading while box i waits for its load and stores; the rest
-    (fewer than B rows) then moves as `copy_piece` moves it, through stage 0. Returns once the
-    stores have completed. Not yet used by the kernels: interpret-tested only, to be timed on
-    the GPU against `copy_piece` (one box in flight a copier, ~10-13 GB/s in HBM).
+def copy_piece_pipelined(
+    src_ref, dst_ref, src_row, dst_row, size, stages_smem, loaded, first_barrier=0
+) -> None:
+    """`copy_piece` through S >= 2 stages (stages_smem [S, B, D]; barriers of one arrival,
+    loaded[first_barrier + s] for stage s), so that loads and stores overlap: the full boxes of
+    B rows stream through the stages in turn, box i + S - 1 loading while box i waits for its
+    load and stores; the rest (fewer than B rows) then moves as `copy_piece` moves it, through
+    stage 0. Returns once the
+    stores have completed. The kernels' `copy_stages` > 1 (not yet the layer's): interpret-tested
+    and lowered, to be timed on the GPU against `copy_piece` (one box in flight a copier,
+    ~10-13 GB/s in HBM).
 
     Each stage is reloaded only after the store that read it has read it (the previous box's:
     `wait_smem_to_gmem(0, wait_read_only=True)` before the load, the later box's store not yet
@@ -217,7 +221,7 @@ def copy_piece_pipelined(src_ref, dst_ref, src_row, dst_row, size, stages_smem, 
         plgpu.copy_gmem_to_smem(
             src_ref.at[pl.ds(src_row + i * box, box)],
             stages_smem.at[slot],
-            loaded.at[slot],
+            loaded.at[first_barrier + slot],
             oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS,
         )
 
@@ -234,11 +238,11 @@ def copy_piece_pipelined(src_ref, dst_ref, src_row, dst_row, size, stages_smem, 
             load(i + num_stages - 1)
 
         slot = lax.rem(i, num_stages)
-        plgpu.barrier_wait(loaded.at[slot])
+        plgpu.barrier_wait(loaded.at[first_barrier + slot])
         plgpu.copy_smem_to_gmem(stages_smem.at[slot], dst_ref.at[pl.ds(dst_row + i * box, box)])
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    stage0, loaded0 = stages_smem.at[0], loaded.at[0]
+    stage0, loaded0 = stages_smem.at[0], loaded.at[first_barrier]
 
     def move(offset, rows: int):
         stage = _stage(stage0, rows)
@@ -254,6 +258,53 @@ def copy_piece_pipelined(src_ref, dst_ref, src_row, dst_row, size, stages_smem, 
 
     _rest_boxes(size, box, move)
     plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+
+
+COPY_STAGES = (1, 2, 4)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stage:
+    """One copier's shared memory: `smem` [B, D] and its barrier `loaded` (copy_stages 1:
+    `copy_piece`), or `smem` [S, B/S, D] and barriers loaded[first, first + S)
+    (`copy_piece_pipelined`)."""
+
+    smem: object
+    loaded: object
+    first: object = 0
+    stages: int = 1
+
+    def copy(self, src_ref, dst_ref, src_row, dst_row, size) -> None:
+        if self.stages == 1:
+            copy_piece(src_ref, dst_ref, src_row, dst_row, size, self.smem, self.loaded)
+        else:
+            copy_piece_pipelined(src_ref, dst_ref, src_row, dst_row, size, self.smem,
+                                 self.loaded, first_barrier=self.first)  # fmt: skip
+
+    def zeros(self):
+        """A stage of this copier filled with zeros (not yet committed), for `zero_rows`."""
+        smem = self.smem if self.stages == 1 else self.smem.at[0]
+        smem[...] = jnp.zeros(smem.shape, smem.dtype)
+        return smem
+
+
+def _check_copy_stages(stages: int) -> None:
+    if stages not in COPY_STAGES:
+        raise ValueError(f"copy_stages={stages} must be one of {COPY_STAGES}")
+
+
+def _stage_smem(lead: tuple[int, ...], box: int, d: int, dtype, stages: int):
+    """The SMEM of copiers' stages: [*lead, B, D], or [*lead, S, B/S, D] pipelined."""
+    _check_copy_stages(stages)
+    shape = (box, d) if stages == 1 else (stages, box // stages, d)
+    return plgpu.SMEM((*lead, *shape), dtype)
+
+
+def _copier(smem, loaded, index, stages: int) -> _Stage:
+    """Copier `index`'s `_Stage` of smem [copiers, ...] and its barriers (copiers * stages)."""
+    if stages == 1:
+        return _Stage(smem.at[index], loaded.at[index])
+    return _Stage(smem.at[index], loaded, first=index * stages, stages=stages)
 
 
 def zero_rows(out_ref, dst_row, size, zeros_smem) -> None:
@@ -280,10 +331,16 @@ def _send_rows_kernel(
     num_zeros: int,
     axis_name: str,
     local: bool,
+    copy_stages: int,
 ):
     (src_p_ref, dst_p_ref, size_p_ref, peer_p_ref, round_p_ref, counter_p_ref, count_ref,
      arrivals_ref, zero_dst_ref, zero_size_ref,
      round_ref) = packed.views(tables_ref, *_MOVES)  # fmt: skip
+    stage = (
+        _Stage(stage_smem, loaded)
+        if copy_stages == 1
+        else _Stage(stage_smem, loaded, stages=copy_stages)
+    )
     block = lax.axis_index("blocks")
     round_index = round_ref[0]
     # One semaphore a counter for the whole kernel (and, through the peers' copies, for every
@@ -302,8 +359,7 @@ def _send_rows_kernel(
             # One device: the exchange's copies go to itself (no peer to address).
             dst_ref = out_ref if local else plgpu.remote_ref(out_ref, peer)
             # 2. The rows have landed before the counter counts the copy.
-            copy_piece(src_ref, dst_ref, src_p_ref[p], dst_p_ref[p], size_p_ref[p], stage_smem,
-                       loaded)  # fmt: skip
+            stage.copy(src_ref, dst_ref, src_p_ref[p], dst_p_ref[p], size_p_ref[p])
             sem = counters.at[counter_p_ref[p]]
             if local:
                 pl.semaphore_signal(sem)
@@ -315,12 +371,12 @@ def _send_rows_kernel(
     #    copies are done with it (copy_piece returns after its stores completed).
     @pl.when(block < num_zeros)
     def _zeros():
-        stage_smem[...] = jnp.zeros(stage_smem.shape, stage_smem.dtype)
+        zeros_smem = stage.zeros()
         plgpu.commit_smem()
 
         @pl.loop(block, num_zeros, step=num_blocks)
         def _zero(z):
-            zero_rows(out_ref, zero_dst_ref[z], zero_size_ref[z], stage_smem)
+            zero_rows(out_ref, zero_dst_ref[z], zero_size_ref[z], zeros_smem)
 
     # 3. The kernel returns once every counter of this device has its copies: counter c is
     #    waited for by block c % num_blocks.
@@ -337,6 +393,7 @@ def send_rows(
     out_rows: int,
     axis_name: str,
     num_blocks: int | None = None,
+    copy_stages: int = 1,
 ) -> Array:
     """This device's output [out_rows, D] of round `round_index`: the rows its peers' `moves`
     (and its own) copy here, and zeros in its own zero ranges. Call inside `jax.shard_map` over
@@ -346,8 +403,11 @@ def send_rows(
     array; moves its copies (`Moves`);
     round_index int32 []. axis_name: the mesh axis of the peers (of size 1, the copies are
     local). num_blocks: the kernel's blocks (default: one a streaming multiprocessor).
+    copy_stages: 1 (`copy_piece`), or 2 or 4 (`copy_piece_pipelined` through that many
+    stages of the same shared memory; not yet timed).
     """
     moves.check()
+    _check_copy_stages(copy_stages)
     _, d_model = src_ad.shape
     if num_blocks is None:
         num_blocks = tuning.persistent_grid_size()
@@ -362,6 +422,7 @@ def send_rows(
         num_zeros=moves.zero_dst_z.shape[0],
         axis_name=axis_name,
         local=lax.axis_size(axis_name) == 1,
+        copy_stages=copy_stages,
     )
     out_type = jax.ShapeDtypeStruct((out_rows, d_model), src_ad.dtype)
     out = plgpu.kernel(
@@ -370,8 +431,10 @@ def send_rows(
         grid=(num_blocks,),
         grid_names=("blocks",),
         scratch_types=[
-            plgpu.SMEM((box, d_model), src_ad.dtype),
-            plgpu.Barrier(num_arrivals=1),
+            _stage_smem((), box, d_model, src_ad.dtype, copy_stages),
+            plgpu.Barrier(num_arrivals=1)
+            if copy_stages == 1
+            else plgpu.Barrier(num_arrivals=1, num_barriers=copy_stages),
         ],
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )(src_ad, tables)
@@ -411,6 +474,7 @@ def _dispatch_swiglu_kernel(
     num_zeros: int,
     axis_name: str,
     local: bool,
+    copy_stages: int,
 ):
     (src_p_ref, dst_p_ref, size_p_ref, peer_p_ref, round_p_ref, counter_p_ref, count_ref,
      wait_ref, zero_dst_ref, zero_size_ref, zero_first_ref, zero_end_ref,
@@ -461,7 +525,10 @@ def _dispatch_swiglu_kernel(
         def copy_scope(stages, side_stages, loaded):
             wg = lax.axis_index("wg")
             copier = program * num_wg + wg
-            stage, side_stage, done = stages.at[wg], side_stages.at[wg], loaded.at[wg]
+            # The rows and their weights through stages of their own, on the same barriers
+            # (one copy after the other).
+            stage = _copier(stages, loaded, wg, copy_stages)
+            side_stage = _copier(side_stages, loaded, wg, copy_stages)
             round_index = round_ref[0]
 
             def zeros(signalled: bool):
@@ -469,18 +536,18 @@ def _dispatch_swiglu_kernel(
 
                 @pl.when(copier < num_zeros)
                 def _zeros():
-                    stage[...] = jnp.zeros(stage.shape, stage.dtype)
-                    side_stage[...] = jnp.zeros(side_stage.shape, side_stage.dtype)
+                    zeros_smem, side_zeros_smem = stage.zeros(), side_stage.zeros()
                     plgpu.commit_smem()
 
                     @pl.loop(copier, num_zeros, step=copiers)
                     def _zero(z):
                         first, end = zero_first_ref[z], zero_end_ref[z]
+                        dst, size = zero_dst_ref[z], zero_size_ref[z]
 
                         @pl.when((end > first) == signalled)
                         def _range():
-                            zero_rows(buffer_ref, zero_dst_ref[z], zero_size_ref[z], stage)
-                            zero_rows(side_out_ref, zero_dst_ref[z], zero_size_ref[z], side_stage)
+                            zero_rows(buffer_ref, dst, size, zeros_smem)
+                            zero_rows(side_out_ref, dst, size, side_zeros_smem)
 
                             # The range's tiles that a GEMM tile reads for its stored rows.
                             @pl.loop(first, end)
@@ -497,8 +564,8 @@ def _dispatch_swiglu_kernel(
                     dst = buffer_ref if local else plgpu.remote_ref(buffer_ref, peer)
                     side_dst = side_out_ref if local else plgpu.remote_ref(side_out_ref, peer)
                     rows = (src_p_ref[p], dst_p_ref[p], size_p_ref[p])
-                    copy_piece(src_ref, dst, *rows, stage, done)
-                    copy_piece(side_ref, side_dst, *rows, side_stage, done)
+                    stage.copy(src_ref, dst, *rows)
+                    side_stage.copy(side_ref, side_dst, *rows)
                     sem = counters.at[counter_p_ref[p]]
                     if local:
                         pl.semaphore_signal(sem)
@@ -511,9 +578,9 @@ def _dispatch_swiglu_kernel(
 
         pl.run_scoped(
             copy_scope,
-            plgpu.SMEM((num_wg, boxes[0], src_ref.shape[1]), src_ref.dtype),
-            plgpu.SMEM((num_wg, boxes[1], side_ref.shape[1]), side_ref.dtype),
-            plgpu.Barrier(num_arrivals=1, num_barriers=num_wg),
+            _stage_smem((num_wg,), boxes[0], src_ref.shape[1], src_ref.dtype, copy_stages),
+            _stage_smem((num_wg,), boxes[1], side_ref.shape[1], side_ref.dtype, copy_stages),
+            plgpu.Barrier(num_arrivals=1, num_barriers=num_wg * copy_stages),
             collective_axes="wg",
         )
 
@@ -547,6 +614,7 @@ def dispatch_swiglu(
     tile: int,
     axis_name: str,
     copy_programs: int = 24,
+    copy_stages: int = 1,
 ) -> tuple[Array, Array, Array]:
     """The dispatch of round `round_index` and the first expert GEMMs in one kernel, overlapped:
     -> (buffer [out_rows, D], side [out_rows, C], h [out_rows, F]).
@@ -562,6 +630,7 @@ def dispatch_swiglu(
     zero range fills are unspecified (h's past the groups are zeros). Call inside
     `jax.shard_map` over `axis_name`."""
     moves.check()
+    _check_copy_stages(copy_stages)
     num_src, d_model = src_ad.shape
     if side_ac.shape[0] != num_src:
         raise ValueError(f"side rows {side_ac.shape} must match src rows {src_ad.shape}")
@@ -609,6 +678,7 @@ def dispatch_swiglu(
         num_zeros=moves.zero_dst_z.shape[0],
         axis_name=axis_name,
         local=lax.axis_size(axis_name) == 1,
+        copy_stages=copy_stages,
     )
     out_types = (
         jax.ShapeDtypeStruct((kernel_rows, d_model), src_ad.dtype),
@@ -652,6 +722,7 @@ def _down_return_kernel(
     num_zeros: int,
     axis_name: str,
     local: bool,
+    copy_stages: int,
 ):
     (src_p_ref, dst_p_ref, size_p_ref, peer_p_ref, round_p_ref, count_ref, arrivals_ref,
      zero_dst_ref, zero_size_ref, round_ref, first_p_ref, end_p_ref) = packed.views(
@@ -699,7 +770,7 @@ def _down_return_kernel(
         def copy_scope(stages, loaded):
             wg = lax.axis_index("wg")
             copier = program * num_wg + wg
-            stage, done = stages.at[wg], loaded.at[wg]
+            stage = _copier(stages, loaded, wg, copy_stages)
             round_index = round_ref[0]
 
             @pl.loop(copier, count_ref[0], step=copiers)
@@ -712,7 +783,7 @@ def _down_return_kernel(
 
                     peer = {axis_name: peer_p_ref[p]}
                     dst = out_ref if local else plgpu.remote_ref(out_ref, peer)
-                    copy_piece(y_ref, dst, src_p_ref[p], dst_p_ref[p], size_p_ref[p], stage, done)
+                    stage.copy(y_ref, dst, src_p_ref[p], dst_p_ref[p], size_p_ref[p])
                     if local:
                         pl.semaphore_signal(arrived)
                     else:
@@ -720,12 +791,12 @@ def _down_return_kernel(
 
             @pl.when(copier < num_zeros)
             def _zeros():
-                stage[...] = jnp.zeros(stage.shape, stage.dtype)
+                zeros_smem = stage.zeros()
                 plgpu.commit_smem()
 
                 @pl.loop(copier, num_zeros, step=copiers)
                 def _zero(z):
-                    zero_rows(out_ref, zero_dst_ref[z], zero_size_ref[z], stage)
+                    zero_rows(out_ref, zero_dst_ref[z], zero_size_ref[z], zeros_smem)
 
             @pl.when(copier == 0)
             def _arrivals():
@@ -733,8 +804,8 @@ def _down_return_kernel(
 
         pl.run_scoped(
             copy_scope,
-            plgpu.SMEM((num_wg, box, y_ref.shape[1]), y_ref.dtype),
-            plgpu.Barrier(num_arrivals=1, num_barriers=num_wg),
+            _stage_smem((num_wg,), box, y_ref.shape[1], y_ref.dtype, copy_stages),
+            plgpu.Barrier(num_arrivals=1, num_barriers=num_wg * copy_stages),
             collective_axes="wg",
         )
 
@@ -765,6 +836,7 @@ def down_return(
     out_rows: int,
     axis_name: str,
     copy_programs: int = 24,
+    copy_stages: int = 1,
 ) -> tuple[Array, Array]:
     """The down projection of round `round_index` and the return of its results in one kernel,
     overlapped: -> (y [S, D] f32, out [out_rows, D] f32).
@@ -778,6 +850,7 @@ def down_return(
     device's `back` copies here (rows of other rounds unspecified), and zeros in `back`'s zero
     ranges. Call inside `jax.shard_map` over `axis_name`."""
     back.check()
+    _check_copy_stages(copy_stages)
     num_slots = h_sf.shape[0]
     if h_sf.ndim != 2 or w_down_gfd.ndim != 3 or h_sf.shape[1] != w_down_gfd.shape[1]:
         raise ValueError(f"h {h_sf.shape} must be [S, F] and w_down {w_down_gfd.shape} [G, F, D]")
@@ -822,6 +895,7 @@ def down_return(
         num_zeros=back.zero_dst_z.shape[0],
         axis_name=axis_name,
         local=lax.axis_size(axis_name) == 1,
+        copy_stages=copy_stages,
     )
     out_types = (
         jax.ShapeDtypeStruct((kernel_rows, d_model), jnp.float32),

@@ -38,7 +38,9 @@ def random_counts(seed: int, num_devices: int, num_local: int, num_rows: int) ->
     ).astype(np.int32)
 
 
-def dispatch_fn(num_local, num_rows, window, tile, *, kernel: bool, num_blocks=None):
+def dispatch_fn(
+    num_local, num_rows, window, tile, *, kernel: bool, num_blocks=None, copy_stages: int = 1
+):
     """(x [EP * N, D], counts [EP, E], round []) -> (buffers [EP * S, D], rows back
     [EP * N, D]), inside shard_map: the round's dispatch, then its return of the buffers."""
     slots = xp.num_tiles(window, tile, num_local) * tile
@@ -48,7 +50,8 @@ def dispatch_fn(num_local, num_rows, window, tile, *, kernel: bool, num_blocks=N
         t = exchange.traffic(counts_se, num_local)
         dispatch, back = xp.exchange_moves(t, me, round_index, num_rows, window, tile)
         if kernel:
-            send = functools.partial(mosaic_gpu.send_rows, axis_name=AXIS, num_blocks=num_blocks)
+            send = functools.partial(mosaic_gpu.send_rows, axis_name=AXIS, num_blocks=num_blocks,
+                                     copy_stages=copy_stages)  # fmt: skip
         else:
             send = functools.partial(reference.send_rows, axis_name=AXIS)
         buf = send(x, dispatch, round_index, out_rows=slots)
@@ -82,10 +85,12 @@ def assert_no_operand_can_share_the_counters(text: str) -> None:
             assert counters not in others, (counters, types)
 
 
-def test_dispatch_lowers_for_cuda_inside_shard_map_on_8_devices():
+@pytest.mark.parametrize("copy_stages", [1, 4])
+def test_dispatch_lowers_for_cuda_inside_shard_map_on_8_devices(copy_stages):
     num_devices, num_local, num_rows, window, tile, d_model = 8, 4, 512, 640, 64, 2048
     mesh = jax.make_mesh((num_devices,), (AXIS,))
-    body, _ = dispatch_fn(num_local, num_rows, window, tile, kernel=True, num_blocks=132)
+    body, _ = dispatch_fn(num_local, num_rows, window, tile, kernel=True, num_blocks=132,
+                          copy_stages=copy_stages)  # fmt: skip
     fn = jax.jit(
         jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS), P(), P()), out_specs=(P(AXIS),) * 2)
     )
@@ -159,6 +164,8 @@ def test_bad_tables_raise():
         send(jnp.zeros((8, 6), jnp.bfloat16), good, 0)
     with pytest.raises(ValueError, match="exceeds"):
         send(jnp.zeros((8, 32768), jnp.float32), good, 0)
+    with pytest.raises(ValueError, match="copy_stages"):
+        send(x, good, 0, copy_stages=3)
 
 
 def planned_buffers(counts_se, x_snd, num_local, window, tile):
@@ -380,8 +387,11 @@ def test_stage_rows():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_local,num_rows,window,tile", [(4, 4096, 3072, 64), (3, 200, 96, 8)])
-def test_gpu_dispatch_and_return_place_every_row(num_local, num_rows, window, tile):
+@pytest.mark.parametrize(
+    "num_local,num_rows,window,tile,copy_stages",
+    [(4, 4096, 3072, 64, 1), (3, 200, 96, 8, 1), (4, 4096, 3072, 64, 2), (3, 200, 96, 8, 4)],
+)
+def test_gpu_dispatch_and_return_place_every_row(num_local, num_rows, window, tile, copy_stages):
     devices = jax.devices()
     num_devices, d_model = len(devices), 2048
     counts_se = random_counts(1, num_devices, num_local, num_rows)
@@ -392,7 +402,8 @@ def test_gpu_dispatch_and_return_place_every_row(num_local, num_rows, window, ti
     assert rounds >= 2  # the window holds less than a device gets: several rounds
     mesh = jax.make_mesh((num_devices,), (AXIS,), devices=devices)
     specs = dict(mesh=mesh, in_specs=(P(AXIS), P(), P()), out_specs=(P(AXIS),) * 2)
-    kernel, slots = dispatch_fn(num_local, num_rows, window, tile, kernel=True)
+    kernel, slots = dispatch_fn(num_local, num_rows, window, tile, kernel=True,
+                                copy_stages=copy_stages)  # fmt: skip
     kernel = jax.jit(jax.shard_map(kernel, **specs))
     t = exchange.traffic(jnp.asarray(counts_se), num_local)
     for r in range(rounds):
@@ -411,7 +422,8 @@ def test_gpu_dispatch_and_return_place_every_row(num_local, num_rows, window, ti
 # The dispatch overlapped with the first GEMMs (`dispatch_swiglu`).
 
 
-def dispatch_swiglu_fn(num_local, num_rows, window, tile, *, copy_programs: int):
+def dispatch_swiglu_fn(num_local, num_rows, window, tile, *, copy_programs: int,
+                       copy_stages: int = 1):  # fmt: skip
     """(x [EP * N, D], scale [EP * N, 4], w_gate, w_up [EP * G, D, F], counts [EP, E], round [])
     -> (buffer [EP * S, D], side [EP * S, 4], h [EP * S, F]) inside shard_map: the round's
     dispatch and gate/up by the overlapped kernel (copy_programs > 0), or by `send_rows` then
@@ -428,7 +440,7 @@ def dispatch_swiglu_fn(num_local, num_rows, window, tile, *, copy_programs: int)
         if copy_programs:
             return mosaic_gpu.dispatch_swiglu(
                 x, side, dispatch, round_index, w_gate, w_up, group_sizes, out_rows=slots,
-                tile=tile, axis_name=AXIS, copy_programs=copy_programs,
+                tile=tile, axis_name=AXIS, copy_programs=copy_programs, copy_stages=copy_stages,
             )  # fmt: skip
         send = functools.partial(mosaic_gpu.send_rows, axis_name=AXIS, out_rows=slots)
         buf = send(x, dispatch, round_index)
@@ -452,14 +464,16 @@ def dispatch_swiglu_inputs(mesh, num_local, num_rows, d_model, d_ff, seed=0):
     return put(x.astype(jnp.bfloat16)), put(side), *(put(a.astype(jnp.bfloat16)) for a in w)
 
 
-def test_dispatch_swiglu_lowers_for_cuda_inside_shard_map_on_8_devices():
+@pytest.mark.parametrize("copy_stages", [1, 2])
+def test_dispatch_swiglu_lowers_for_cuda_inside_shard_map_on_8_devices(copy_stages):
     """One kernel for the dispatch of the rows and their weights and the gate/up GEMMs, its
     peers addressed through XLA's collective metadata, its U tile counters one set for the
     kernel; bad arguments raise."""
     num_devices, num_local, num_rows, window, tile = 8, 4, 512, 640, 64
     d_model, d_ff = 2048, 768
     mesh = jax.make_mesh((num_devices,), (AXIS,))
-    body, _ = dispatch_swiglu_fn(num_local, num_rows, window, tile, copy_programs=16)
+    body, _ = dispatch_swiglu_fn(num_local, num_rows, window, tile, copy_programs=16,
+                                 copy_stages=copy_stages)  # fmt: skip
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS),) * 4 + (P(), P()),
                                out_specs=(P(AXIS),) * 3))  # fmt: skip
     sharded = lambda shape, dtype, spec: jax.ShapeDtypeStruct(  # noqa: E731
@@ -581,11 +595,12 @@ def test_overlapped_waits_cover_every_stored_row(
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "num_local,num_rows,window,tile,copy_programs",
-    [(4, 4096, 3072, 64, 16), (3, 200, 96, 8, 1), (8, 4096, 6144, 64, 64)],
-)
+    "num_local,num_rows,window,tile,copy_programs,copy_stages",
+    [(4, 4096, 3072, 64, 16, 1), (3, 200, 96, 8, 1, 1), (8, 4096, 6144, 64, 64, 1),
+     (4, 4096, 3072, 64, 16, 2), (3, 200, 96, 8, 1, 4)],
+)  # fmt: skip
 def test_gpu_dispatch_swiglu_gives_the_bits_of_the_separate_kernels(
-    num_local, num_rows, window, tile, copy_programs
+    num_local, num_rows, window, tile, copy_programs, copy_stages
 ):
     """The overlapped kernel's buffer, weights and h are those of send_rows then gmm_swiglu,
     bit for bit, in every slot (filled, zeroed, and h's rows past the groups), round by
@@ -599,7 +614,8 @@ def test_gpu_dispatch_swiglu_gives_the_bits_of_the_separate_kernels(
     specs = dict(mesh=mesh, in_specs=(P(AXIS),) * 4 + (P(), P()), out_specs=(P(AXIS),) * 3)
     runs = [
         jax.jit(jax.shard_map(dispatch_swiglu_fn(num_local, num_rows, window, tile,
-                                                 copy_programs=c)[0], **specs))
+                                                 copy_programs=c, copy_stages=copy_stages)[0],
+                              **specs))
         for c in (copy_programs, 0)
     ]  # fmt: skip
     put = lambda a: jax.device_put(jnp.asarray(a), jax.NamedSharding(mesh, P()))  # noqa: E731
@@ -614,7 +630,8 @@ def test_gpu_dispatch_swiglu_gives_the_bits_of_the_separate_kernels(
 # The down projection overlapped with the return (`down_return`).
 
 
-def down_return_fn(num_local, num_rows, window, tile, *, copy_programs: int):
+def down_return_fn(num_local, num_rows, window, tile, *, copy_programs: int,
+                   copy_stages: int = 1):  # fmt: skip
     """(h [EP * S, F], scale [EP * S], w_down [EP * G, F, D], counts [EP, E], round []) ->
     (y [EP * S, D], out [EP * N, D]) inside shard_map: the round's down projection and return
     by the overlapped kernel (copy_programs > 0), or by gmm then `send_rows` (0)."""
@@ -630,7 +647,7 @@ def down_return_fn(num_local, num_rows, window, tile, *, copy_programs: int):
         if copy_programs:
             return mosaic_gpu.down_return(
                 h, scale, w_down, group_sizes, back, round_index, out_rows=num_rows,
-                axis_name=AXIS, copy_programs=copy_programs,
+                axis_name=AXIS, copy_programs=copy_programs, copy_stages=copy_stages,
             )  # fmt: skip
         y = grouped.gmm(h, w_down, group_sizes, row_scale_m=scale, out_dtype=jnp.float32)
         y = mosaic_gpu._like(y, h)
@@ -650,7 +667,8 @@ def down_return_inputs(mesh, num_local, slots, d_model, d_ff, seed=0):
     return put(h.astype(jnp.bfloat16)), put(scale), put(w.astype(jnp.bfloat16))
 
 
-def test_down_return_lowers_for_cuda_inside_shard_map_on_8_devices():
+@pytest.mark.parametrize("copy_stages", [1, 2])
+def test_down_return_lowers_for_cuda_inside_shard_map_on_8_devices(copy_stages):
     """One kernel for the down projection and the return, its peers addressed through XLA's
     collective metadata, its counters (a row tile each, and the arrivals) one set for the
     kernel; bad arguments raise."""
@@ -659,7 +677,8 @@ def test_down_return_lowers_for_cuda_inside_shard_map_on_8_devices():
     num_devices, num_local, num_rows, window, tile = 8, 4, 512, 640, 64
     d_model, d_ff = 2048, 768
     mesh = jax.make_mesh((num_devices,), (AXIS,))
-    body, slots = down_return_fn(num_local, num_rows, window, tile, copy_programs=16)
+    body, slots = down_return_fn(num_local, num_rows, window, tile, copy_programs=16,
+                                 copy_stages=copy_stages)  # fmt: skip
     specs = dict(mesh=mesh, in_specs=(P(AXIS),) * 3 + (P(), P()), out_specs=(P(AXIS),) * 2)
     fn = jax.jit(jax.shard_map(body, **specs))
     sharded = lambda shape, dtype, spec: jax.ShapeDtypeStruct(  # noqa: E731
@@ -742,11 +761,12 @@ def test_return_waits_are_the_row_tiles_that_store_each_piece(
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "num_local,num_rows,window,tile,copy_programs",
-    [(4, 4096, 3072, 64, 16), (3, 200, 96, 8, 1), (8, 4096, 6144, 64, 64)],
-)
+    "num_local,num_rows,window,tile,copy_programs,copy_stages",
+    [(4, 4096, 3072, 64, 16, 1), (3, 200, 96, 8, 1, 1), (8, 4096, 6144, 64, 64, 1),
+     (4, 4096, 3072, 64, 16, 2), (3, 200, 96, 8, 1, 4)],
+)  # fmt: skip
 def test_gpu_down_return_gives_the_bits_of_the_separate_kernels(
-    num_local, num_rows, window, tile, copy_programs
+    num_local, num_rows, window, tile, copy_programs, copy_stages
 ):
     """The overlapped kernel's y (every slot) and returned rows (every row of the round, on
     every device) are those of gmm then send_rows, bit for bit, round by round, with few copy
@@ -761,7 +781,8 @@ def test_gpu_down_return_gives_the_bits_of_the_separate_kernels(
     specs = dict(mesh=mesh, in_specs=(P(AXIS),) * 3 + (P(), P()), out_specs=(P(AXIS),) * 2)
     runs = [
         jax.jit(jax.shard_map(down_return_fn(num_local, num_rows, window, tile,
-                                             copy_programs=c)[0], **specs))
+                                             copy_programs=c, copy_stages=copy_stages)[0],
+                              **specs))
         for c in (copy_programs, 0)
     ]  # fmt: skip
     put = lambda a: jax.device_put(jnp.asarray(a), jax.NamedSharding(mesh, P()))  # noqa: E731
