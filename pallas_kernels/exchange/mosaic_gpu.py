@@ -336,11 +336,7 @@ def _send_rows_kernel(
     (src_p_ref, dst_p_ref, size_p_ref, peer_p_ref, round_p_ref, counter_p_ref, count_ref,
      arrivals_ref, zero_dst_ref, zero_size_ref,
      round_ref) = packed.views(tables_ref, *_MOVES)  # fmt: skip
-    stage = (
-        _Stage(stage_smem, loaded)
-        if copy_stages == 1
-        else _Stage(stage_smem, loaded, stages=copy_stages)
-    )
+    stage = _Stage(stage_smem, loaded, stages=copy_stages)
     block = lax.axis_index("blocks")
     round_index = round_ref[0]
     # One semaphore a counter for the whole kernel (and, through the peers' copies, for every
