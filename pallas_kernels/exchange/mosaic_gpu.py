@@ -85,13 +85,6 @@ def _in_boxes(size, box: int, move) -> None:
     def _full(i):
         move(i * box, box)
 
-    _rest_boxes(size, box, move)
-
-
-def _rest_boxes(size, box: int, move) -> None:
-    """`_in_boxes`' boxes of the rest: after size // box full boxes, one box a set bit of
-    size % box (B/2, ..., 1 rows)."""
-    full = size // box
     rest = size - full * box
     rows = box // 2
     while rows >= 1:
@@ -202,11 +195,10 @@ def copy_piece_pipelined(
     """`copy_piece` through S >= 2 stages (stages_smem [S, B, D]; barriers of one arrival,
     loaded[first_barrier + s] for stage s), so that loads and stores overlap: the full boxes of
     B rows stream through the stages in turn, box i + S - 1 loading while box i waits for its
-    load and stores; the rest (fewer than B rows) then moves as `copy_piece` moves it, through
-    stage 0. Returns once the
-    stores have completed. The kernels' `copy_stages` > 1 (not yet the layer's): interpret-tested
-    and lowered, to be timed on the GPU against `copy_piece` (one box in flight a copier,
-    ~10-13 GB/s in HBM).
+    load and stores; the rest (fewer than B rows) then moves by `copy_piece`, through stage 0.
+    Returns once the stores have completed. The kernels' `copy_stages` > 1 (not yet the
+    layer's): interpret-tested and lowered, to be timed on the GPU against `copy_piece` (one
+    box in flight a copier, ~10-13 GB/s in HBM).
 
     Each stage is reloaded only after the store that read it has read it (the previous box's:
     `wait_smem_to_gmem(0, wait_read_only=True)` before the load, the later box's store not yet
@@ -241,23 +233,11 @@ def copy_piece_pipelined(
         plgpu.barrier_wait(loaded.at[first_barrier + slot])
         plgpu.copy_smem_to_gmem(stages_smem.at[slot], dst_ref.at[pl.ds(dst_row + i * box, box)])
 
+    # The rest as copy_piece moves it, once the last full box's store has read its stage.
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    stage0, loaded0 = stages_smem.at[0], loaded.at[first_barrier]
-
-    def move(offset, rows: int):
-        stage = _stage(stage0, rows)
-        plgpu.copy_gmem_to_smem(
-            src_ref.at[pl.ds(src_row + offset, rows)],
-            stage,
-            loaded0,
-            oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS,
-        )
-        plgpu.barrier_wait(loaded0)
-        plgpu.copy_smem_to_gmem(stage, dst_ref.at[pl.ds(dst_row + offset, rows)])
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-    _rest_boxes(size, box, move)
-    plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+    done = full * box
+    copy_piece(src_ref, dst_ref, src_row + done, dst_row + done, size - done, stages_smem.at[0],
+               loaded.at[first_barrier])  # fmt: skip
 
 
 COPY_STAGES = (1, 2, 4)
