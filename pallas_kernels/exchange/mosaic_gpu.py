@@ -262,10 +262,14 @@ class _Stage:
                                  self.loaded, first_barrier=self.first)  # fmt: skip
 
     def zeros(self):
-        """A stage of this copier filled with zeros (not yet committed), for `zero_rows`."""
-        smem = self.smem if self.stages == 1 else self.smem.at[0]
-        smem[...] = jnp.zeros(smem.shape, smem.dtype)
-        return smem
+        """A stage of this copier filled with zeros (not yet committed), for `zero_rows`.
+
+        Every stage is filled, not only the one returned: Mosaic GPU stores a splat only in
+        multiples of 128 elements, and a pipelined stage of the weights' column (B/S rows of
+        16 bytes: 16 x 4 f32 at 4 stages) has fewer; the copier's whole [S, B/S, C] has B x C
+        (found on the H200; the lowering tests now run 4 stages too)."""
+        self.smem[...] = jnp.zeros(self.smem.shape, self.smem.dtype)
+        return self.smem if self.stages == 1 else self.smem.at[0]
 
 
 def _check_copy_stages(stages: int) -> None:

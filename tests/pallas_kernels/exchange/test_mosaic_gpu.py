@@ -464,7 +464,7 @@ def dispatch_swiglu_inputs(mesh, num_local, num_rows, d_model, d_ff, seed=0):
     return put(x.astype(jnp.bfloat16)), put(side), *(put(a.astype(jnp.bfloat16)) for a in w)
 
 
-@pytest.mark.parametrize("copy_stages", [1, 2])
+@pytest.mark.parametrize("copy_stages", [1, 2, 4])
 def test_dispatch_swiglu_lowers_for_cuda_inside_shard_map_on_8_devices(copy_stages):
     """One kernel for the dispatch of the rows and their weights and the gate/up GEMMs, its
     peers addressed through XLA's collective metadata, its U tile counters one set for the
@@ -667,7 +667,7 @@ def down_return_inputs(mesh, num_local, slots, d_model, d_ff, seed=0):
     return put(h.astype(jnp.bfloat16)), put(scale), put(w.astype(jnp.bfloat16))
 
 
-@pytest.mark.parametrize("copy_stages", [1, 2])
+@pytest.mark.parametrize("copy_stages", [1, 2, 4])
 def test_down_return_lowers_for_cuda_inside_shard_map_on_8_devices(copy_stages):
     """One kernel for the down projection and the return, its peers addressed through XLA's
     collective metadata, its counters (a row tile each, and the arrivals) one set for the
