@@ -57,8 +57,10 @@ class RoutedSpec:
       recompute: with "fused", how the backward recomputes gate and up (`ops.Recompute`).
       exchange_tile: with "fused", rows per tile of the receive buffer (`MoEConfig`).
       exchange_programs: with "fused", the programs of the first and last GEMMs' kernels that
-        run the dispatch's and the return's copies (0: each is a kernel of its own;
-        `MoEConfig`).
+        run the dispatch's and the return's copies, and of the backward's first GEMM's kernel
+        that runs the cotangent's dispatch (0: each is a kernel of its own; `MoEConfig`).
+      recomputing: the backward's recomputed forward (set by `_rounds_bwd`), which needs the
+        buffer only: its dispatch runs as a kernel of its own.
     """
 
     axis: str | None
@@ -73,6 +75,7 @@ class RoutedSpec:
     recompute: FusedRecompute = "gmm"
     exchange_tile: int = 64
     exchange_programs: int = 24
+    recomputing: bool = False
 
 
 def _me(spec: RoutedSpec) -> Array:
@@ -175,7 +178,8 @@ def _fused_round(r, rows, weights, plan, spec: RoutedSpec) -> Array:
             tile=tile,
             axis_name=spec.axis,
             recompute=spec.recompute,
-            copy_programs=spec.exchange_programs,
+            copy_programs=0 if spec.recomputing else spec.exchange_programs,
+            grad_copy_programs=spec.exchange_programs,
             interpret=jax.default_backend() == "cpu",
         )
 
@@ -284,7 +288,7 @@ def _rounds_bwd(spec, residuals, g_nd):
         # The recomputed forward is needed for its buffer only: with the dispatch in a kernel
         # of its own (the same bits) XLA drops the forward's GEMMs, which the overlapped
         # kernel would run with it.
-        spec = dataclasses.replace(spec, exchange_programs=0)
+        spec = dataclasses.replace(spec, recomputing=True)
     round_fn, _, round_n = _plan_rounds(t, _num_rows(rows), spec)
 
     def round_vjp(r):

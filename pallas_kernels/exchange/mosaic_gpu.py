@@ -61,19 +61,36 @@ MAX_BOX_ROWS = 64
 STAGE_BYTES = 64 * 1024
 
 
-def stage_rows(d_model: int, itemsize: int) -> int:
+# A copier's stages in the overlapped dispatch (the rows' and the side's): 3 copiers a
+# program share the streaming multiprocessor's 227 KiB of shared memory.
+COPIER_BYTES = 72 * 1024
+
+
+def stage_rows(d_model: int, itemsize: int, *, budget: int = STAGE_BYTES) -> int:
     """Rows of the copy stage [rows, D]: the largest power of two <= MAX_BOX_ROWS whose rows
-    fit in STAGE_BYTES. Raises ValueError if a row is not a multiple of 16 bytes (a bulk copy's
-    unit) or does not fit."""
+    fit in `budget` bytes (STAGE_BYTES). Raises ValueError if a row is not a multiple of 16
+    bytes (a bulk copy's unit) or does not fit."""
     row_bytes = d_model * itemsize
     if row_bytes % 16:
         raise ValueError(f"a row of {row_bytes} bytes (D={d_model}) must be a multiple of 16")
-    if row_bytes > STAGE_BYTES:
-        raise ValueError(f"a row of {row_bytes} bytes (D={d_model}) exceeds {STAGE_BYTES}")
+    if row_bytes > budget:
+        raise ValueError(f"a row of {row_bytes} bytes (D={d_model}) exceeds {budget}")
     rows = MAX_BOX_ROWS
-    while rows * row_bytes > STAGE_BYTES:
+    while rows * row_bytes > budget:
         rows //= 2
     return rows
+
+
+def _dispatch_boxes(d_model: int, itemsize: int, side: int, side_itemsize: int) -> tuple[int, int]:
+    """The stage rows of the overlapped dispatch's rows and side: each `stage_rows`' own while
+    both stages fit COPIER_BYTES (the routing weights' 16-byte column beside the rows), else
+    both of half of STAGE_BYTES (the cotangent's two forms, rows of one width)."""
+    boxes = (stage_rows(d_model, itemsize), stage_rows(side, side_itemsize))
+    if boxes[0] * d_model * itemsize + boxes[1] * side * side_itemsize > COPIER_BYTES:
+        half = STAGE_BYTES // 2
+        boxes = (stage_rows(d_model, itemsize, budget=half),
+                 stage_rows(side, side_itemsize, budget=half))  # fmt: skip
+    return boxes
 
 
 def _in_boxes(size, box: int, move) -> None:
@@ -433,17 +450,13 @@ def _like(out: Array, operand: Array) -> Array:
 # The dispatch overlapped with the first expert GEMMs: one kernel (issue 7's overlap).
 
 
-def _dispatch_swiglu_kernel(
+def _dispatch_gemm_kernel(
     schedule_ref,
     src_ref,
     side_ref,
     tables_ref,
-    w_gate_ref,
-    w_up_ref,
-    buffer_ref,
-    side_out_ref,
-    h_ref,
-    *,
+    *refs,
+    gemm: gmm_kernel.ProgramsGemm,
     packed: _Packed,
     config,
     gemm_programs: int,
@@ -460,6 +473,8 @@ def _dispatch_swiglu_kernel(
      wait_ref, zero_dst_ref, zero_size_ref, zero_first_ref, zero_end_ref,
      round_ref) = packed.views(tables_ref, *_MOVES[:10], "zero_first_z", "zero_end_z",
                                "round")  # fmt: skip
+    # The GEMM's weights, then the outputs: the buffer, the side's rows, the GEMM's.
+    *weight_refs, buffer_ref, side_out_ref, gemm_out_ref = refs
     program = lax.axis_index("sm")
     # O1. One counter a buffer tile, for the whole kernel and every device (as in send_rows):
     #     the copies into the tile and the zero ranges in it count there.
@@ -473,18 +488,19 @@ def _dispatch_swiglu_kernel(
         def _wait(c):
             pl.semaphore_wait(counters.at[c], wait_ref[c], decrement=False)
 
-    # O2. Programs [copy_programs, copy_programs + gemm_programs) run gmm_swiglu's tiles on
-    #     the buffer, each tile once the rows it stores are in place (its invariant 11). Every
-    #     row before the groups' end is stored by some tile, so every tile that counts a copy
-    #     or a zero range is waited for before the kernel returns: the buffer is complete.
+    # O2. Programs [copy_programs, copy_programs + gemm_programs) run the GEMM's tiles on the
+    #     buffer (gmm_swiglu's, or the transposed gmm's), each tile once the rows it stores
+    #     are in place (the grouped GEMM's invariant 11). Every row before the groups' end is
+    #     stored by some tile, so every tile that counts a copy or a zero range is waited for
+    #     before the kernel returns: the buffer is complete.
     @pl.when(program >= copy_programs)
     def _gemm():
-        gmm_kernel.swiglu_programs(
+        gmm_kernel.programs_body(
+            gemm,
             schedule_ref,
             buffer_ref,
-            w_gate_ref,
-            w_up_ref,
-            h_ref,
+            *weight_refs,
+            gemm_out_ref,
             config=config,
             programs=gemm_programs,
             first_program=copy_programs,
@@ -609,6 +625,67 @@ def dispatch_swiglu(
     and h is `gmm_swiglu(buffer, w_gate, w_up, group_sizes_g)`, bit for bit; rows no copy or
     zero range fills are unspecified (h's past the groups are zeros). Call inside
     `jax.shard_map` over `axis_name`."""
+    if w_gate_gdf.shape[1] != src_ad.shape[1]:
+        raise ValueError(f"src D={src_ad.shape[1]} must equal w_gate's (shape {w_gate_gdf.shape})")
+    return _dispatch_gemm(
+        "swiglu", src_ad, side_ac, moves, round_index, (w_gate_gdf, w_up_gdf), ("w_gate", "w_up"),
+        group_sizes_g, n=w_gate_gdf.shape[2], out_rows=out_rows, tile=tile, axis_name=axis_name,
+        copy_programs=copy_programs, copy_stages=copy_stages,
+    )  # fmt: skip
+
+
+def dispatch_down_grad(
+    dy_ad: Array,
+    side_ac: Array,
+    moves: Moves,
+    round_index: Array,
+    w_down_gfd: Array,
+    group_sizes_g: Array,
+    *,
+    out_rows: int,
+    tile: int,
+    axis_name: str,
+    copy_programs: int = 24,
+    copy_stages: int = 1,
+) -> tuple[Array, Array, Array]:
+    """The backward's dispatch of round `round_index` (the results' cotangent to the buffers)
+    and its first expert GEMM in one kernel, overlapped: -> (dy [out_rows, D], side [out_rows,
+    C], g f32 [out_rows, F]).
+
+    As `dispatch_swiglu`, with the GEMM g = dy @ w_down[g].T in f32 (`gmm(dy, w_down,
+    group_sizes_g, transpose_rhs=True, out_dtype=f32)`, bit for bit): copy programs move the
+    rows of dy [A, D] (bf16: the cotangent as the GEMMs read it) and, with the same tables,
+    side [A, C] (the cotangent times the routing weight, bf16 [A, D], which d_w_down reads),
+    and each GEMM tile starts once the dy rows it stores are in. Call inside `jax.shard_map`
+    over `axis_name`."""
+    if w_down_gfd.shape[2] != dy_ad.shape[1]:
+        raise ValueError(f"dy D={dy_ad.shape[1]} must equal w_down's (shape {w_down_gfd.shape})")
+    return _dispatch_gemm(
+        "transposed", dy_ad, side_ac, moves, round_index, (w_down_gfd,), ("w_down",),
+        group_sizes_g, n=w_down_gfd.shape[1], out_rows=out_rows, tile=tile, axis_name=axis_name,
+        copy_programs=copy_programs, copy_stages=copy_stages,
+    )  # fmt: skip
+
+
+def _dispatch_gemm(
+    gemm: gmm_kernel.ProgramsGemm,
+    src_ad: Array,
+    side_ac: Array,
+    moves: Moves,
+    round_index: Array,
+    weights: tuple[Array, ...],
+    weight_names: tuple[str, ...],
+    group_sizes_g: Array,
+    *,
+    n: int,
+    out_rows: int,
+    tile: int,
+    axis_name: str,
+    copy_programs: int,
+    copy_stages: int,
+) -> tuple[Array, Array, Array]:
+    """`dispatch_swiglu` and `dispatch_down_grad`: the dispatch and `gemm` (N = n) on the
+    buffer in one kernel (O1-O3)."""
     moves.check()
     _check_copy_stages(copy_stages)
     num_src, d_model = src_ad.shape
@@ -617,15 +694,14 @@ def dispatch_swiglu(
     num_counters = moves.arrivals_c.shape[0]
     if num_counters * tile != out_rows:
         raise ValueError(f"{num_counters} counters of {tile} rows must cover out_rows={out_rows}")
-    names = ("w_gate", "w_up")
-    gmm_kernel._check_inputs(src_ad, (w_gate_gdf, w_up_gdf), group_sizes_g, names)
-    if w_gate_gdf.shape[1] != d_model:
-        raise ValueError(f"src D={d_model} must equal w_gate's (shape {w_gate_gdf.shape})")
-    config = gmm_kernel.swiglu_config(f=w_gate_gdf.shape[2], dtype=src_ad.dtype)
+    gmm_kernel._check_inputs(src_ad, weights, group_sizes_g, weight_names)
+    config = gmm_kernel.programs_config(gemm, n=n, dtype=src_ad.dtype)
     itemsize = jnp.dtype(src_ad.dtype).itemsize
+    out_dtype = src_ad.dtype if gemm == "swiglu" else jnp.float32
     gmm_kernel._check_config(
-        config, k=d_model, n=w_gate_gdf.shape[2], itemsize=itemsize, out_itemsize=itemsize, nr=2
-    )
+        config, k=d_model, n=n, itemsize=itemsize, out_itemsize=jnp.dtype(out_dtype).itemsize,
+        nr=len(weights),
+    )  # fmt: skip
     programs = tuning.persistent_grid_size()
     if not 0 < copy_programs < programs:
         raise ValueError(
@@ -636,10 +712,7 @@ def dispatch_swiglu(
     # taller than the buffer: the kernel's buffer has at least block_m rows, a multiple of 8
     # (rows past out_rows: neither filled nor stored, sliced off).
     kernel_rows = max(pl.cdiv(out_rows, 8) * 8, config.block_m)
-    boxes = (
-        stage_rows(d_model, jnp.dtype(src_ad.dtype).itemsize),
-        stage_rows(side_ac.shape[1], jnp.dtype(side_ac.dtype).itemsize),
-    )
+    boxes = _dispatch_boxes(d_model, itemsize, side_ac.shape[1], jnp.dtype(side_ac.dtype).itemsize)
     groups_end = jnp.sum(group_sizes_g, dtype=jnp.int32)
     zero_first_z, zero_end_z, wait_c = _zero_signals(moves, groups_end, tile, num_counters)
     schedule_t4 = gmm_kernel.schedule_table(group_sizes_g, num_rows=out_rows, tile_m=config.block_m)
@@ -647,7 +720,8 @@ def dispatch_swiglu(
     named |= {"arrivals_c": wait_c, "zero_first_z": zero_first_z, "zero_end_z": zero_end_z}
     tables, packed = _pack(named, counters=num_counters)
     kernel = functools.partial(
-        _dispatch_swiglu_kernel,
+        _dispatch_gemm_kernel,
+        gemm=gemm,
         packed=packed,
         config=config,
         gemm_programs=programs - copy_programs,
@@ -663,7 +737,7 @@ def dispatch_swiglu(
     out_types = (
         jax.ShapeDtypeStruct((kernel_rows, d_model), src_ad.dtype),
         jax.ShapeDtypeStruct((kernel_rows, side_ac.shape[1]), side_ac.dtype),
-        jax.ShapeDtypeStruct((kernel_rows, w_gate_gdf.shape[2]), src_ad.dtype),
+        jax.ShapeDtypeStruct((kernel_rows, n), out_dtype),
     )
     outs = plgpu.kernel(
         kernel,
@@ -673,10 +747,10 @@ def dispatch_swiglu(
         num_threads=config.num_consumers + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )(schedule_t4, src_ad, side_ac, tables, w_gate_gdf, w_up_gdf)
+    )(schedule_t4, src_ad, side_ac, tables, *weights)
     outs = tuple(out[:out_rows] if kernel_rows != out_rows else out for out in outs)
-    buffer, side, h = outs
-    return _like(buffer, src_ad), _like(side, side_ac), _like(h, src_ad)
+    buffer, side, out = outs
+    return _like(buffer, src_ad), _like(side, side_ac), _like(out, src_ad)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -723,7 +797,8 @@ def _down_return_kernel(
         def after_tile(mi):
             pl.semaphore_signal(counters.at[mi])
 
-        gmm_kernel.scaled_programs(
+        gmm_kernel.programs_body(
+            "scaled",
             schedule_ref,
             h_ref,
             w_down_ref,
@@ -840,7 +915,7 @@ def down_return(
         raise ValueError(f"the return counts on one counter, got arrivals {back.arrivals_c.shape}")
     d_model = w_down_gfd.shape[2]
     gmm_kernel._check_inputs(h_sf, (w_down_gfd,), group_sizes_g, ("w_down",))
-    config = gmm_kernel.scaled_config(n=d_model, dtype=h_sf.dtype)
+    config = gmm_kernel.programs_config("scaled", n=d_model, dtype=h_sf.dtype)
     itemsize = jnp.dtype(h_sf.dtype).itemsize
     gmm_kernel._check_config(
         config, k=h_sf.shape[1], n=d_model, itemsize=itemsize, out_itemsize=4, nr=1

@@ -94,6 +94,7 @@ class _MlpStatic:
     axis_name: str
     recompute: grouped_ops.Recompute
     copy_programs: int
+    grad_copy_programs: int
     interpret: bool
 
 
@@ -191,18 +192,41 @@ def _dispatch_mlp_fwd(static, x_nd, scale_n, moves, back, round_index, w_gate, w
     )
     num_rows = x_nd.shape[0]
     out = _down_return(static, h, scale_s, w_down, group_sizes, back, round_index, num_rows)
-    residuals = (buffer, scale_s, w_gate, w_up, w_down, group_sizes, moves, back, round_index,
-                 num_rows)  # fmt: skip
+    residuals = (buffer, scale_n, scale_s, w_gate, w_up, w_down, group_sizes, moves, back,
+                 round_index, num_rows)  # fmt: skip
     return out, residuals
 
 
-def _dispatch_mlp_bwd(static, residuals, d_out):
-    (buffer, scale_s, w_gate, w_up, w_down, group_sizes, moves, back, round_index,
-     num_rows) = residuals  # fmt: skip
-    # The return's gradient: each slot's result cotangent from its row, copied along the
-    # dispatch (zeros in the slots no row fills: its zero ranges).
+def _grads_at_buffers(static: _MlpStatic, d_out, scale_n, residuals):
+    """`swiglu_mlp_grads` on the buffers for the round's results' cotangent d_out [N, D]: the
+    return's gradient is each slot's cotangent from its row, copied along the dispatch (zeros
+    in the slots no row fills: its zero ranges). With grad_copy_programs > 0 (recompute
+    "gmm", on the GPU) the copies run inside the first backward GEMM's kernel
+    (`mosaic_gpu.dispatch_down_grad`): d_out leaves as the GEMMs read it, rounded, and times
+    its row's weight, rounded (the same bytes as f32, and the bits the GEMMs would compute
+    from the f32 copy at the slot, whose weight is the row's)."""
+    buffer, scale_s, w_gate, w_up, w_down, group_sizes, moves, round_index = residuals
+    if static.grad_copy_programs and static.recompute == "gmm" and not static.interpret:
+        dy_c = d_out.astype(buffer.dtype)
+        dy_down = (d_out.astype(jnp.float32) * scale_n[:, None]).astype(buffer.dtype)
+        _, dy_down_s, g = mosaic_gpu.dispatch_down_grad(
+            dy_c,
+            dy_down,
+            moves,
+            round_index,
+            w_down,
+            group_sizes,
+            out_rows=static.out_rows,
+            tile=static.tile,
+            axis_name=static.axis_name,
+            copy_programs=static.grad_copy_programs,
+        )
+        return grouped_ops.swiglu_mlp_grads_from_g(
+            buffer, w_gate, w_up, w_down, group_sizes, scale_s, g, dy_down_s,
+            interpret=static.interpret,
+        )  # fmt: skip
     dy = _send(d_out, moves, round_index, static.out_rows, static.axis_name, "auto")
-    d_buffer, d_w_gate, d_w_up, d_w_down, _, d_scale_s = grouped_ops.swiglu_mlp_grads(
+    return grouped_ops.swiglu_mlp_grads(
         buffer,
         w_gate,
         w_up,
@@ -212,6 +236,17 @@ def _dispatch_mlp_bwd(static, residuals, d_out):
         dy,
         recompute=static.recompute,
         interpret=static.interpret,
+    )
+
+
+def _dispatch_mlp_bwd(static, residuals, d_out):
+    (buffer, scale_n, scale_s, w_gate, w_up, w_down, group_sizes, moves, back, round_index,
+     num_rows) = residuals  # fmt: skip
+    d_buffer, d_w_gate, d_w_up, d_w_down, _, d_scale_s = _grads_at_buffers(
+        static,
+        d_out,
+        scale_n,
+        (buffer, scale_s, w_gate, w_up, w_down, group_sizes, moves, round_index),
     )
     # The copies back: each row's gradient from the slot it was copied to.
     send_back = functools.partial(
@@ -241,6 +276,7 @@ def dispatch_mlp(
     axis_name: str,
     recompute: grouped_ops.Recompute = "gmm",
     copy_programs: int = 24,
+    grad_copy_programs: int | None = None,
     interpret: bool = False,
 ) -> Array:
     """Round `round_index` of the exchange and the expert MLP: this device's rows x [N, D] with
@@ -258,13 +294,22 @@ def dispatch_mlp(
     projection's (`mosaic_gpu.down_return`: each piece leaves as soon as its rows are
     stored); with 0 both are kernels of their own. With `interpret` (for the CPU) the copies
     are `send_rows` (there its spec, reference.py) and the GEMMs run in Mosaic GPU's interpret
-    mode."""
-    if copy_programs < 0:
-        raise ValueError(f"copy_programs={copy_programs} must be >= 0")
+    mode.
+
+    grad_copy_programs (None: copy_programs) does the same for the backward: with recompute
+    "gmm" and grad_copy_programs > 0 the results' cotangent travels to the buffers inside the
+    kernel of the first backward GEMM that reads it (`mosaic_gpu.dispatch_down_grad`); with 0,
+    or recompute "kernel" (whose first GEMM also recomputes gate and up), in a kernel of its
+    own. The copies back of the gradients are kernels of their own."""
+    grad_copy_programs = copy_programs if grad_copy_programs is None else grad_copy_programs
+    if copy_programs < 0 or grad_copy_programs < 0:
+        raise ValueError(f"copy_programs={copy_programs} and grad_copy_programs="
+                         f"{grad_copy_programs} must be >= 0")  # fmt: skip
     if recompute not in grouped_ops.RECOMPUTES:
         raise ValueError(f"recompute={recompute!r} must be one of {grouped_ops.RECOMPUTES}")
     static = _MlpStatic(out_rows=out_rows, tile=tile, axis_name=axis_name, recompute=recompute,
-                        copy_programs=copy_programs, interpret=interpret)  # fmt: skip
+                        copy_programs=copy_programs, grad_copy_programs=grad_copy_programs,
+                        interpret=interpret)  # fmt: skip
     # As swiglu_mlp does: every operand varies over the mesh axes any of them varies over (an
     # operand made to vary gets its gradient summed over those axes).
     x_nd, scale_n, w_gate_gdf, w_up_gdf, w_down_gfd, group_sizes_g = grouped_ops.vary_alike(

@@ -98,7 +98,7 @@ Invariants (numbered; the tests check each):
      (one reduction of a static shape), no atomics
      (test_gmm_swiglu_bwd_has_no_races_and_owns_each_partial_once).
  11. A kernel may run this body in programs [first_program, first_program + programs) only
-     (`swiglu_programs`: the exchange's dispatch runs its copies in the programs before
+     (`programs_body`: the exchange's dispatch runs its copies in the programs before
      them). The tiles are then dealt to those programs as they would be to a grid of that
      size (its program q gets the tiles q, q + programs, ...; the other programs none), and
      before a tile's first load the producer waits (`before_tile`) until the lhs rows the
@@ -106,7 +106,7 @@ Invariants (numbered; the tests check each):
      invariant 4 computes them and never stores them. What a tile waits for must not wait for
      the tiles: the dispatch's copy programs wait for nothing, and they come first in the
      grid, so they are started before any GEMM program that waits for them.
- 12. With `after_tile` (`scaled_programs`: the return's copies read the output while the tiles
+ 12. With `after_tile` (`programs_body`: the return's copies read the output while the tiles
      run), each consumer, after the epilogue of every tile that stores rows (hi > lo: a tile
      of a group or of the rows past them, even where this consumer's part of it stores none),
      waits until its stores have completed and then calls after_tile(mi), mi the tile's row
@@ -124,6 +124,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -881,105 +882,75 @@ def schedule_table(group_sizes_g: Array, *, num_rows: int, tile_m: int) -> Array
     return jnp.stack([group_t, row0_t, lo_t, hi_t], axis=1).astype(jnp.int32)
 
 
-def swiglu_config(*, f: int, dtype) -> TileConfig:
-    """The tiles `swiglu_programs` runs: `gmm_swiglu`'s default for F = f, without clusters (a
-    kernel whose programs do different work cannot pair them). Clusters give the single-CTA
-    bits (invariant 7), so its h is `gmm_swiglu`'s, bit for bit."""
-    config = default_config(n=f, dtype=dtype, swiglu=True)
+# The GEMMs a kernel of other work runs in some of its programs (invariant 11; the exchange's
+# kernels, pallas_kernels/exchange): the body's flags for each.
+ProgramsGemm = Literal["swiglu", "scaled", "transposed"]
+_PROGRAMS_GEMMS: dict[str, dict] = {
+    # h = silu(lhs @ w_gate[g]) * (lhs @ w_up[g]), lhs dtype: refs w_gate, w_up, h.
+    "swiglu": dict(transpose_rhs=False, num_rhs=2, has_row_scale=False, swiglu=True),
+    # (lhs @ rhs[g]) * scale, f32: refs rhs, scale (f32 [M' + block_m]), out.
+    "scaled": dict(transpose_rhs=False, num_rhs=1, has_row_scale=True, swiglu=False),
+    # lhs @ rhs[g].T, f32: refs rhs [G, N, K], out.
+    "transposed": dict(transpose_rhs=True, num_rhs=1, has_row_scale=False, swiglu=False),
+}
+
+
+def programs_config(gemm: ProgramsGemm, *, n: int, dtype) -> TileConfig:
+    """The tiles `programs_body` runs for `gemm` with N = n (F for "swiglu"): the default of
+    `gmm_swiglu` ("swiglu") or of `gmm` with an f32 output ("scaled", "transposed"), without
+    clusters (a kernel whose programs do different work cannot pair them). Clusters give the
+    single-CTA bits (invariant 7), so the outputs are those of `gmm_swiglu` and `gmm`, bit for
+    bit."""
+    if gemm == "swiglu":
+        config = default_config(n=n, dtype=dtype, swiglu=True)
+    else:
+        transpose_rhs = _PROGRAMS_GEMMS[gemm]["transpose_rhs"]
+        config = default_config(n=n, dtype=dtype, transpose_rhs=transpose_rhs, out_dtype=jnp.float32)
     return dataclasses.replace(config, cluster_m=1, cluster_n=1)
 
 
-def swiglu_programs(
+def programs_body(
+    gemm: ProgramsGemm,
     schedule_ref,
     lhs_ref,
-    w_gate_ref,
-    w_up_ref,
-    h_ref,
-    *,
+    *refs,
     config: TileConfig,
     programs: int,
     first_program: int,
-    before_tile: Callable[[Array, Array], None],
+    before_tile: Callable[[Array, Array], None] | None = None,
+    after_tile: Callable[[Array], None] | None = None,
 ) -> None:
-    """`gmm_swiglu`'s kernel body in programs [first_program, first_program + programs) of a
+    """A grouped GEMM's kernel body in programs [first_program, first_program + programs) of a
     kernel of more programs (its grid axis named "sm", warpgroups "wg", num_consumers + 1 of
-    them, Warpgroup semantics), whose other programs do other work: the exchange's dispatch,
-    which fills lhs while the tiles run (pallas_kernels/exchange). Call it in those programs
-    only (invariant 11).
+    them, Warpgroup semantics), whose other programs do other work: the exchange's copies
+    (pallas_kernels/exchange). Call it in those programs only (invariant 11).
 
-    schedule_ref [T, 4] is `schedule_table(group_sizes, num_rows=M, tile_m=config.block_m)`;
-    lhs [M', D] (M' >= max(M, block_m), a multiple of 8), w_gate and w_up [G, D, F], h
-    [M', F]: as `gmm_swiglu` computes them, rows past M unspecified. `before_tile(first,
-    end)` runs in the producer before a tile's first load and returns once lhs rows
-    [first, end), the rows the tile stores, are in place."""
-    _kernel(
-        schedule_ref,
-        lhs_ref,
-        w_gate_ref,
-        w_up_ref,
-        h_ref,
-        config=config,
-        num_groups=w_gate_ref.shape[0],
-        num_tiles_m=schedule_ref.shape[0],
-        transpose_rhs=False,
-        num_rhs=2,
-        has_row_scale=False,
-        swiglu=True,
-        gather_rows=False,
-        interpret=False,
-        programs=programs,
-        first_program=first_program,
-        before_tile=before_tile,
-    )
+    gemm: "swiglu" (refs w_gate, w_up [G, K, F], h [M', F]: `gmm_swiglu`), "scaled" (refs rhs
+    [G, K, N], scale f32 [M' + block_m], out f32 [M', N]: `gmm(..., row_scale_m=scale,
+    out_dtype=f32)`) or "transposed" (refs rhs [G, N, K], out f32 [M', N]: `gmm(...,
+    transpose_rhs=True, out_dtype=f32)`), with `programs_config(gemm, ...)`'s tiles. lhs [M',
+    K] (M' >= max(M, block_m), a multiple of 8); schedule_ref [T, 4] is
+    `schedule_table(group_sizes, num_rows=M, tile_m=config.block_m)`; outputs as those
+    functions compute them, rows past M unspecified.
 
-
-def scaled_config(*, n: int, dtype) -> TileConfig:
-    """The tiles `scaled_programs` runs: `gmm`'s default for N = n with a row scale and an f32
-    output, without clusters (as `swiglu_config`; the bits are `gmm`'s, invariant 7)."""
-    config = default_config(n=n, dtype=dtype, out_dtype=jnp.float32)
-    return dataclasses.replace(config, cluster_m=1, cluster_n=1)
-
-
-def scaled_programs(
-    schedule_ref,
-    lhs_ref,
-    rhs_ref,
-    scale_ref,
-    out_ref,
-    *,
-    config: TileConfig,
-    programs: int,
-    first_program: int,
-    after_tile: Callable[[Array], None],
-) -> None:
-    """`gmm(lhs, rhs, group_sizes, row_scale_m=scale, out_dtype=f32)`'s kernel body in programs
-    [first_program, first_program + programs) of a kernel of more programs (as
-    `swiglu_programs`), whose other programs read the output while the tiles run: the
-    exchange's return (pallas_kernels/exchange). Call it in those programs only.
-
-    schedule_ref [T, 4] is `schedule_table(group_sizes, num_rows=M, tile_m=config.block_m)`;
-    lhs [M', K] (M' >= max(M, block_m), a multiple of 8), rhs [G, K, N], scale f32 [M' +
-    block_m], out f32 [M', N]: as `gmm` computes them, rows past M unspecified. Each consumer
+    `before_tile(first, end)` runs in the producer before a tile's first load and returns once
+    lhs rows [first, end), the rows the tile stores, are in place (invariant 11). Each consumer
     calls `after_tile(mi)` once its stores of a tile of row tile mi have completed (invariant
     12): N / block_n * num_consumers calls a row tile that stores rows."""
     _kernel(
         schedule_ref,
         lhs_ref,
-        rhs_ref,
-        scale_ref,
-        out_ref,
+        *refs,
         config=config,
-        num_groups=rhs_ref.shape[0],
+        num_groups=refs[0].shape[0],
         num_tiles_m=schedule_ref.shape[0],
-        transpose_rhs=False,
-        num_rhs=1,
-        has_row_scale=True,
-        swiglu=False,
         gather_rows=False,
         interpret=False,
         programs=programs,
         first_program=first_program,
+        before_tile=before_tile,
         after_tile=after_tile,
+        **_PROGRAMS_GEMMS[gemm],
     )
 
 
@@ -1352,10 +1323,9 @@ __all__ = [
     "gmm_swiglu",
     "gmm_swiglu_bwd",
     "group_bounds",
-    "scaled_config",
-    "scaled_programs",
+    "ProgramsGemm",
+    "programs_body",
+    "programs_config",
     "schedule_table",
-    "swiglu_config",
-    "swiglu_programs",
     "tile_schedule",
 ]

@@ -319,10 +319,7 @@ def swiglu_mlp_grads(
     # dy times the row scale, for d_w_down.
     dy_down = dy_c if scale is None else (dy.astype(jnp.float32) * scale).astype(lhs.dtype)
     if saved is None and recompute == "gmm":
-        gate, up = _gate_up(static, lhs, w_gate, w_up, group_sizes)
-        # The kernel epilogue's formula, so that h has the forward's bits.
-        h = (gate / (1.0 + jnp.exp(-gate)) * up).astype(lhs.dtype)
-        saved = (h, gate, up)
+        saved = _recomputed(static, lhs, w_gate, w_up, group_sizes)
     if saved is None:
         # One kernel: gate, up and g = dy @ w_down.T over K = D, and from them (in its epilogue,
         # nothing f32 stored) h, [d_gate | d_up] and d_s.
@@ -343,9 +340,6 @@ def swiglu_mlp_grads(
             static, (lhs, w_gate, w_up, group_sizes), d_gate_up
         )
         return d_lhs, d_w_gate, d_w_up, like(d_w_down, w_down), None, d_scale
-    # h, gate and up recomputed above, or the forward's (gmm_swiglu(gate_up_out=True)).
-    h, gate, up = saved
-    gate, up = gate.astype(jnp.float32), up.astype(jnp.float32)
     # g = dy @ w_down[g].T in f32: dh without the row scale.
     g = like(
         mosaic_gpu.gmm(
@@ -358,17 +352,57 @@ def swiglu_mlp_grads(
         ),
         lhs,
     )
+    # h, gate and up recomputed above, or the forward's (gmm_swiglu(gate_up_out=True)).
+    return _grads_from_g(static, lhs, w_gate, w_up, w_down, group_sizes, scale, saved, g, dy_down)
+
+
+def _grads_from_g(static, lhs, w_gate, w_up, w_down, group_sizes, scale, saved, g, dy_down):
+    """`swiglu_mlp_grads`' last steps, from (h, gate, up), g = dy @ w_down[g].T (f32) and
+    dy_down (dy times the row scale, lhs dtype)."""
+    h, gate, up = saved
+    gate, up = gate.astype(jnp.float32), up.astype(jnp.float32)
     if scale is None:
         dh, d_scale = g, None
     else:
         dh = g * scale
         # d_s = rowsum(dy * (h @ w_down[g])) = rowsum(h * (dy @ w_down[g].T)): over F.
         d_scale = jnp.sum(h.astype(jnp.float32) * g, axis=1)
-    d_w_down = tgmm(h, dy_down, group_sizes, out_dtype=w_down.dtype, interpret=interpret)
+    d_w_down = tgmm(h, dy_down, group_sizes, out_dtype=w_down.dtype, interpret=static.interpret)
     d_lhs, d_w_gate, d_w_up, _ = _swiglu_input_grads(
         static, (lhs, w_gate, w_up, group_sizes), gate, up, dh
     )
     return d_lhs, d_w_gate, d_w_up, like(d_w_down, w_down), None, d_scale
+
+
+def swiglu_mlp_grads_from_g(
+    lhs: Array,
+    w_gate: Array,
+    w_up: Array,
+    w_down: Array,
+    group_sizes: Array,
+    row_scale: Array | None,
+    g: Array,
+    dy_down: Array,
+    *,
+    interpret: bool = False,
+) -> tuple[Array, Array, Array, Array, None, Array | None]:
+    """`swiglu_mlp_grads(..., dy, recompute="gmm")` from its first backward GEMM's result
+    instead of dy: g = gmm(dy.astype(lhs.dtype), w_down, group_sizes, transpose_rhs=True,
+    out_dtype=f32) ([M, F]) and dy_down = (dy * row_scale[:, None]).astype(lhs.dtype) ([M,
+    N]; dy.astype(lhs.dtype) without a row scale), computed elsewhere (in the exchange's
+    kernel, pallas_kernels/exchange, which sends dy in these two forms). The same outputs, bit
+    for bit; gate and up are recomputed."""
+    static = _Static(interpret=interpret)
+    scale = None if row_scale is None else row_scale.astype(jnp.float32)[:, None]
+    saved = _recomputed(static, lhs, w_gate, w_up, group_sizes)
+    return _grads_from_g(static, lhs, w_gate, w_up, w_down, group_sizes, scale, saved, g, dy_down)
+
+
+def _recomputed(static, lhs, w_gate, w_up, group_sizes) -> tuple[Array, Array, Array]:
+    """(h, gate, up) recomputed by two gmm (recompute "gmm")."""
+    gate, up = _gate_up(static, lhs, w_gate, w_up, group_sizes)
+    # The kernel epilogue's formula, so that h has the forward's bits.
+    return (gate / (1.0 + jnp.exp(-gate)) * up).astype(lhs.dtype), gate, up
 
 
 _swiglu_mlp.defvjp(_swiglu_mlp_fwd, _swiglu_mlp_bwd)

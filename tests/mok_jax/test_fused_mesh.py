@@ -48,6 +48,13 @@ OVERLAPPED_RETURN = re.compile(
     r"custom_call @mosaic_gpu.*-> \(tensor<\d+x(\d+)xf32>, tensor<\d+x\1xf32>"
 )
 
+# dispatch_down_grad's custom call (the backward's): the cotangent as bf16 twice [S, D] (rounded,
+# and times the weights) and g [S, F] f32.
+OVERLAPPED_COTANGENT = re.compile(
+    r"custom_call @mosaic_gpu.*-> \(tensor<(\d+)x(\d+)xbf16>, tensor<\1x\2xbf16>, "
+    r"tensor<\1x\d+xf32>"
+)
+
 # Small enough for interpret mode: 8 experts, top-2, 8-row tiles (D = F = 64); a window of a
 # quarter of the balanced load, so the exchange takes several rounds, and an exchange tile of 4
 # rows, so an expert's rows of a round span several tiles.
@@ -120,12 +127,14 @@ def test_lowered_for_cuda_on_8_devices(layout):
     assert "sdy.manual_computation" in text
     # A round's forward: the dispatch overlapped with gate/up (one kernel), the down
     # projection overlapped with the return (one kernel); its backward the forward again (the
-    # dispatch of rows and weights as kernels of their own), 3 exchange kernels and the GEMM
-    # gradients.
+    # dispatch of rows and weights as kernels of their own), the cotangent's dispatch
+    # overlapped with g = dy @ w_down.T (one kernel), the gradients' 2 copies back and the
+    # GEMM gradients.
     assert len(MOSAIC_GPU_CALL.findall(text)) >= 12
     # The overlapped dispatch: one kernel returns the buffer, its weights and h.
     assert OVERLAPPED_DISPATCH.search(text), "no kernel of dispatch and gate/up"
     assert OVERLAPPED_RETURN.search(text), "no kernel of the down projection and the return"
+    assert OVERLAPPED_COTANGENT.search(text), "no kernel of the cotangent's dispatch and g"
     assert "uses_xla_collective_metadata = true" in text
     for collective in ("ragged_all_to_all", "all_to_all", "collective_permute"):
         assert not re.search(rf"stablehlo\.{collective}\b", text), collective
@@ -136,6 +145,13 @@ def test_lowered_for_cuda_on_8_devices(layout):
         text = lowered_with_kernels(x, params, cotangent, separate, mesh)
         assert not OVERLAPPED_DISPATCH.search(text)
         assert not OVERLAPPED_RETURN.search(text)
+        assert not OVERLAPPED_COTANGENT.search(text)
+        # recompute "kernel": its first backward GEMM also recomputes gate and up, and the
+        # cotangent's dispatch is a kernel of its own.
+        fused_bwd = dataclasses.replace(cfg, fused_recompute="kernel")
+        text = lowered_with_kernels(x, params, cotangent, fused_bwd, mesh)
+        assert OVERLAPPED_DISPATCH.search(text)
+        assert not OVERLAPPED_COTANGENT.search(text)
 
 
 @pytest.mark.gpu

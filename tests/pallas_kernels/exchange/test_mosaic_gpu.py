@@ -378,6 +378,12 @@ def test_stage_rows():
     assert mosaic_gpu.stage_rows(2048, 2) == 16  # 64 KiB
     assert mosaic_gpu.stage_rows(2048, 4) == 8
     assert mosaic_gpu.stage_rows(7168, 4) == 2  # 56 KiB
+    assert mosaic_gpu.stage_rows(2048, 2, budget=32 * 1024) == 8
+    # The overlapped dispatch: the weights' column beside the rows keeps both boxes; two
+    # bf16 forms of the cotangent share a copier's shared memory (the smem limit otherwise).
+    assert mosaic_gpu._dispatch_boxes(2048, 2, 4, 4) == (16, 64)
+    assert mosaic_gpu._dispatch_boxes(2048, 2, 2048, 2) == (8, 8)
+    assert mosaic_gpu._dispatch_boxes(7168, 2, 7168, 2) == (2, 2)
     assert mosaic_gpu.stage_rows(4, 4) == 64
 
 
@@ -535,7 +541,7 @@ def test_overlapped_waits_cover_every_stored_row(
     something is waited for by a GEMM tile (the buffer is complete when the kernel returns)."""
     from pallas_kernels.grouped_matmul import mosaic_gpu as grouped
 
-    block_m = grouped.swiglu_config(f=768, dtype=jnp.bfloat16).block_m
+    block_m = grouped.programs_config("swiglu", n=768, dtype=jnp.bfloat16).block_m
     counts_se = random_counts(seed, num_devices, num_local, num_rows)
     t = exchange.traffic(jnp.asarray(counts_se), num_local)
     rounds = int(exchange.window_rounds(t, window))
@@ -627,6 +633,117 @@ def test_gpu_dispatch_swiglu_gives_the_bits_of_the_separate_kernels(
 
 
 # ---------------------------------------------------------------------------------------------
+# The backward's dispatch overlapped with its first GEMM (`dispatch_down_grad`).
+
+
+def dispatch_down_grad_fn(num_local, num_rows, window, tile, *, copy_programs: int):
+    """(dy [EP * N, D], dy_down [EP * N, D], w_down [EP * G, F, D], counts [EP, E], round [])
+    -> (dy [EP * S, D], dy_down [EP * S, D], g f32 [EP * S, F]) inside shard_map: the round's
+    dispatch of the cotangent and g = dy @ w_down[g].T by the overlapped kernel (copy_programs
+    > 0), or by `send_rows` twice then the transposed gmm (0)."""
+    from pallas_kernels.grouped_matmul import mosaic_gpu as grouped
+
+    slots = xp.num_tiles(window, tile, num_local) * tile
+
+    def body(dy, dy_down, w_down, counts_se, round_index):
+        me = jax.lax.axis_index(AXIS)
+        t = exchange.traffic(counts_se, num_local)
+        dispatch, _ = xp.exchange_moves(t, me, round_index, num_rows, window, tile)
+        group_sizes, _ = xp.buffer_layout(t, me, round_index, window, tile)
+        if copy_programs:
+            return mosaic_gpu.dispatch_down_grad(
+                dy, dy_down, dispatch, round_index, w_down, group_sizes, out_rows=slots,
+                tile=tile, axis_name=AXIS, copy_programs=copy_programs,
+            )  # fmt: skip
+        send = functools.partial(mosaic_gpu.send_rows, axis_name=AXIS, out_rows=slots)
+        buf = send(dy, dispatch, round_index)
+        g = grouped.gmm(buf, w_down, group_sizes, transpose_rhs=True, out_dtype=jnp.float32)
+        return buf, send(dy_down, dispatch, round_index), mosaic_gpu._like(g, buf)
+
+    return body, slots
+
+
+def dispatch_down_grad_inputs(mesh, num_local, num_rows, d_model, d_ff, seed=0):
+    """Random bf16 (dy, dy_down, w_down) for dispatch_down_grad_fn, placed on `mesh`."""
+    num_devices = mesh.devices.size
+    keys = jax.random.split(jax.random.key(seed), 3)
+    shapes = ((num_devices * num_rows, d_model),) * 2 + ((num_devices * num_local, d_ff, d_model),)
+    arrays = [jax.random.normal(k, shape) for k, shape in zip(keys, shapes, strict=True)]
+    arrays[2] = arrays[2] / d_model**0.5
+    put = lambda a: jax.device_put(a, jax.NamedSharding(mesh, P(AXIS)))  # noqa: E731
+    return tuple(put(a.astype(jnp.bfloat16)) for a in arrays)
+
+
+# dispatch_down_grad's custom call: dy and dy_down [S, D] bf16, g [S, F] f32.
+DOWN_GRAD_CALL = r"custom_call @mosaic_gpu.*-> \(tensor<(\d+)x(\d+)xbf16>, tensor<\1x\2xbf16>, tensor<\1x\d+xf32>"
+
+
+def test_dispatch_down_grad_lowers_for_cuda_inside_shard_map_on_8_devices():
+    """One kernel for the cotangent's dispatch (dy and dy times the weights, with one set of
+    tables) and g = dy @ w_down[g].T, its peers addressed through XLA's collective metadata,
+    its tile counters one set for the kernel; bad arguments raise."""
+    num_devices, num_local, num_rows, window, tile = 8, 4, 512, 640, 64
+    d_model, d_ff = 2048, 768
+    mesh = jax.make_mesh((num_devices,), (AXIS,))
+    specs = dict(mesh=mesh, in_specs=(P(AXIS),) * 3 + (P(), P()), out_specs=(P(AXIS),) * 3)
+    body, slots = dispatch_down_grad_fn(num_local, num_rows, window, tile, copy_programs=16)
+    sharded = lambda shape, dtype, spec: jax.ShapeDtypeStruct(  # noqa: E731
+        shape, dtype, sharding=jax.NamedSharding(mesh, spec)
+    )
+    args = (
+        sharded((num_devices * num_rows, d_model), jnp.bfloat16, P(AXIS)),
+        sharded((num_devices * num_rows, d_model), jnp.bfloat16, P(AXIS)),
+        sharded((num_devices * num_local, d_ff, d_model), jnp.bfloat16, P(AXIS)),
+        sharded((num_devices, num_devices * num_local), jnp.int32, P()),
+        sharded((), jnp.int32, P()),
+    )
+    text = jax.jit(jax.shard_map(body, **specs)).trace(*args).lower(
+        lowering_platforms=("cuda",)
+    ).as_text()  # fmt: skip
+    assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
+    found = re.search(DOWN_GRAD_CALL, text)
+    assert found and found.groups() == (str(slots), str(d_model)), found
+    assert f"x{d_ff}xf32>" in found.group(0)
+    assert "uses_xla_collective_metadata = true" in text
+    assert "skip_device_barrier = false" in text
+    assert_no_operand_can_share_the_counters(text)
+    # w_down of another width than dy: refused.
+    bad_args = args[:2] + (sharded((num_devices * num_local, d_ff, 1024), jnp.bfloat16, P(AXIS)),)
+    with pytest.raises(ValueError, match="w_down"):
+        jax.jit(jax.shard_map(body, **specs)).trace(*bad_args, *args[3:])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "num_local,num_rows,window,tile,copy_programs",
+    [(4, 4096, 3072, 64, 16), (3, 200, 96, 8, 1), (8, 4096, 6144, 64, 64)],
+)
+def test_gpu_dispatch_down_grad_gives_the_bits_of_the_separate_kernels(
+    num_local, num_rows, window, tile, copy_programs
+):
+    """The overlapped kernel's dy, dy_down and g are those of send_rows (twice) then the
+    transposed gmm, bit for bit, in every slot, round by round."""
+    devices = jax.devices()
+    mesh = jax.make_mesh((len(devices),), (AXIS,), devices=devices)
+    d_model, d_ff = 2048, 768
+    counts_se = random_counts(3, len(devices), num_local, num_rows)
+    t = exchange.traffic(jnp.asarray(counts_se), num_local)
+    rounds = int(exchange.window_rounds(t, window))
+    specs = dict(mesh=mesh, in_specs=(P(AXIS),) * 3 + (P(), P()), out_specs=(P(AXIS),) * 3)
+    runs = [
+        jax.jit(jax.shard_map(
+            dispatch_down_grad_fn(num_local, num_rows, window, tile, copy_programs=c)[0], **specs
+        ))
+        for c in (copy_programs, 0)
+    ]  # fmt: skip
+    put = lambda a: jax.device_put(jnp.asarray(a), jax.NamedSharding(mesh, P()))  # noqa: E731
+    for r in range(rounds):
+        inputs = dispatch_down_grad_inputs(mesh, num_local, num_rows, d_model, d_ff, seed=r)
+        got, want = (run(*inputs, put(counts_se), put(jnp.int32(r))) for run in runs)
+        chex.assert_trees_all_equal(got, want)
+
+
+# ---------------------------------------------------------------------------------------------
 # The down projection overlapped with the return (`down_return`).
 
 
@@ -696,7 +813,7 @@ def test_down_return_lowers_for_cuda_inside_shard_map_on_8_devices(copy_stages):
     assert "uses_xla_collective_metadata = true" in text
     assert "skip_device_barrier = false" in text
     assert re.search(rf"-> \(tensor<{slots}x{d_model}xf32>, tensor<{num_rows}x{d_model}xf32>", text)
-    block_m = grouped.scaled_config(n=d_model, dtype=jnp.bfloat16).block_m
+    block_m = grouped.programs_config("scaled", n=d_model, dtype=jnp.bfloat16).block_m
     counters = pl.cdiv(slots, block_m) + num_local + 1
     assert re.search(rf"dims = \[\] : \(tensor<i32>\) -> tensor<{counters}xi32>", text)
     assert_no_operand_can_share_the_counters(text)

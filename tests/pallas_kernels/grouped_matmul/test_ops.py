@@ -183,6 +183,32 @@ def test_swiglu_mlp_grads_from_the_saved_gate_up(recompute):
         _assert_close(from_saved[i], recomputed[i], jnp.bfloat16)
 
 
+@pytest.mark.parametrize("weighted", [False, True])
+def test_swiglu_mlp_grads_from_g_give_the_bits_of_the_recomputing_backward(weighted):
+    """From g = dy @ w_down[g].T (f32) and dy times the row scale (bf16), formed as the
+    exchange's kernel forms them (dy rounded first for g, dy times the scale then rounded),
+    every gradient is that of swiglu_mlp_grads(dy, recompute="gmm"), bit for bit."""
+    from pallas_kernels.grouped_matmul import mosaic_gpu
+
+    t = _inputs(*CASES[0])
+    scale = t["scale"] if weighted else None
+    dy = t["cotangent"]
+    weights = (t["w"], t["w2"], t["w_t"])
+    g = mosaic_gpu.gmm(dy.astype(t["x"].dtype), t["w_t"], t["sizes"], transpose_rhs=True,
+                       out_dtype=jnp.float32, interpret=True)  # fmt: skip
+    dy_down = dy if scale is None else dy.astype(jnp.float32) * scale[:, None]
+    dy_down = dy_down.astype(t["x"].dtype)
+    got = ops.swiglu_mlp_grads_from_g(t["x"], *weights, t["sizes"], scale, g, dy_down,
+                                      interpret=True)  # fmt: skip
+    want = ops.swiglu_mlp_grads(t["x"], *weights, t["sizes"], scale, dy, recompute="gmm",
+                                interpret=True)  # fmt: skip
+    chex.assert_trees_all_equal(got, want)
+    # A g of other bits gives other gradients: the comparison can fail.
+    other = ops.swiglu_mlp_grads_from_g(t["x"], *weights, t["sizes"], scale, g + 1e-3, dy_down,
+                                        interpret=True)  # fmt: skip
+    assert not np.array_equal(np.asarray(other[0], np.float32), np.asarray(want[0], np.float32))
+
+
 def test_swiglu_mlp_recomputes_agree_and_bad_ones_raise():
     """ "gmm" and "kernel" form the same h (so d_w_down has the same bits) from the same f32
     products; the rest differ by their rounding (the kernel's sigmoid is not XLA's logistic,
