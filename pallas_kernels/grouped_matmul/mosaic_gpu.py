@@ -904,8 +904,8 @@ def programs_config(gemm: ProgramsGemm, *, n: int, dtype) -> TileConfig:
     if gemm == "swiglu":
         config = default_config(n=n, dtype=dtype, swiglu=True)
     else:
-        transpose_rhs = _PROGRAMS_GEMMS[gemm]["transpose_rhs"]
-        config = default_config(n=n, dtype=dtype, transpose_rhs=transpose_rhs, out_dtype=jnp.float32)
+        transposed = _PROGRAMS_GEMMS[gemm]["transpose_rhs"]
+        config = default_config(n=n, dtype=dtype, transpose_rhs=transposed, out_dtype=jnp.float32)
     return dataclasses.replace(config, cluster_m=1, cluster_n=1)
 
 
@@ -1318,12 +1318,12 @@ def gmm_swiglu_bwd(
 
 __all__ = [
     "INPUT_DTYPES",
+    "ProgramsGemm",
     "default_config",
     "gmm",
     "gmm_swiglu",
     "gmm_swiglu_bwd",
     "group_bounds",
-    "ProgramsGemm",
     "programs_body",
     "programs_config",
     "schedule_table",

@@ -675,7 +675,10 @@ def dispatch_down_grad_inputs(mesh, num_local, num_rows, d_model, d_ff, seed=0):
 
 
 # dispatch_down_grad's custom call: dy and dy_down [S, D] bf16, g [S, F] f32.
-DOWN_GRAD_CALL = r"custom_call @mosaic_gpu.*-> \(tensor<(\d+)x(\d+)xbf16>, tensor<\1x\2xbf16>, tensor<\1x\d+xf32>"
+DOWN_GRAD_CALL = (
+    r"custom_call @mosaic_gpu.*-> \(tensor<(\d+)x(\d+)xbf16>, tensor<\1x\2xbf16>, "
+    r"tensor<\1x\d+xf32>"
+)
 
 
 def test_dispatch_down_grad_lowers_for_cuda_inside_shard_map_on_8_devices():
@@ -708,7 +711,7 @@ def test_dispatch_down_grad_lowers_for_cuda_inside_shard_map_on_8_devices():
     assert "skip_device_barrier = false" in text
     assert_no_operand_can_share_the_counters(text)
     # w_down of another width than dy: refused.
-    bad_args = args[:2] + (sharded((num_devices * num_local, d_ff, 1024), jnp.bfloat16, P(AXIS)),)
+    bad_args = (*args[:2], sharded((num_devices * num_local, d_ff, 1024), jnp.bfloat16, P(AXIS)))
     with pytest.raises(ValueError, match="w_down"):
         jax.jit(jax.shard_map(body, **specs)).trace(*bad_args, *args[3:])
 
