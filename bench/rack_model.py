@@ -148,7 +148,10 @@ ASSUMPTIONS = {
         "the fused kernel cuts tiles over the receive buffer in (source, position) order, so "
         "it computes whole expert groups like ragged_all_to_all, and starts a tile once its "
         "rows have arrived: one tile's dispatch before the first GEMM and one tile's return "
-        "after the last are not hidden"
+        "after the last are not hidden. Every transfer is modelled overlapped; the kernels "
+        "overlap the forward's dispatch and return and the backward's dy dispatch, while the "
+        "backward's recomputed dispatch of x and its dx return are kernels of their own "
+        "(session 14), so the backward's prediction is optimistic by those two"
     ),
     "backward_transfer": (
         "the backward sends the x rows out again, then dy, and gets dx back (3 transfers a "

@@ -17,9 +17,14 @@ CUDA inside shard_map on 8 devices (CI). Rows move through shared memory in boxe
 GEMM tile starting once its rows are in, and `down_return` the return inside the down
 projection's kernel, each piece leaving once its rows are stored (both bitwise equal to the
 separate kernels on one H200, session 13, bench/results/2026-12-01_exchange_tail_h200_s13/; not
-yet run across GPUs); the backward's copies are still kernels of their own.
+yet run across GPUs). `dispatch_down_grad` runs the backward's dispatch (the results'
+cotangent) inside the kernel of its first GEMM, g = dy @ w_down.T, as `dispatch_swiglu` does
+(bitwise equal to the separate kernels on one H200, session 14,
+bench/results/2026-12-01_exchange_backward_h200_s14/); the backward's other copies (the
+recomputed dispatch, the gradients back) are still kernels of their own.
 
-Invariants (send_rows; dispatch_swiglu's O1-O3 and down_return's R1-R3 are in their bodies):
+Invariants (send_rows; the overlapped dispatch's O1-O3 and down_return's R1-R3 are in their
+bodies):
   1. Each output row is written by one copy, once a round (the protocol's destinations are
      distinct), so no two stores race.
   2. A copy's signal follows its rows: the kernel waits for the copy's stores to complete

@@ -9,7 +9,8 @@ the reverse is a copy too.
 round's exchange and expert MLP as one differentiable op: its forward runs the dispatch inside
 the gate/up GEMMs' kernel (`mosaic_gpu.dispatch_swiglu`) and the return inside the down
 projection's (`mosaic_gpu.down_return`); its backward copies the results' cotangent to the
-buffers, runs `grouped_matmul.ops.swiglu_mlp_grads` there, and copies the gradients back. The
+buffers inside the kernel of the first backward GEMM (`mosaic_gpu.dispatch_down_grad`), runs
+the rest of `grouped_matmul.ops.swiglu_mlp_grads` there, and copies the gradients back. The
 values and gradients are those of `send_rows`, then `grouped_matmul.ops.swiglu_mlp`, then
 `send_rows` back.
 """
