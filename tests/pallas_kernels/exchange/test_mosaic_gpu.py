@@ -532,16 +532,19 @@ def test_zero_signals_count_the_padding_inside_the_groups():
 def test_overlapped_waits_cover_every_stored_row(
     seed, num_devices, num_local, num_rows, window, tile
 ):
-    """dispatch_swiglu's protocol, replayed on the host from the tables the kernel gets, as its
-    copiers and GEMM producers use them, every round and receiver: each buffer slot is written
-    once (a copy or a zero range); each counter's wait (`_zero_signals`) is exactly the signals
-    sent to it (no deadlock, no early return); and each slot the GEMMs store (before the
+    """The overlapped dispatch's protocol (dispatch_swiglu's, and dispatch_down_grad's: the same
+    tables and waits, and the same 128-row GEMM tiles), replayed on the host from the tables
+    the kernel gets, as its copiers and GEMM producers use them, every round and receiver:
+    each buffer slot is written once (a copy or a zero range); each counter's wait
+    (`_zero_signals`) is exactly the signals sent to it (no deadlock, no early return); and
+    each slot the GEMMs store (before the
     groups' end) is written by a writer that signals that slot's own tile, the counter a tile
     storing the row waits for (no read before the write); and every counter that counts
     something is waited for by a GEMM tile (the buffer is complete when the kernel returns)."""
     from pallas_kernels.grouped_matmul import mosaic_gpu as grouped
 
     block_m = grouped.programs_config("swiglu", n=768, dtype=jnp.bfloat16).block_m
+    assert grouped.programs_config("transposed", n=768, dtype=jnp.bfloat16).block_m == block_m
     counts_se = random_counts(seed, num_devices, num_local, num_rows)
     t = exchange.traffic(jnp.asarray(counts_se), num_local)
     rounds = int(exchange.window_rounds(t, window))
