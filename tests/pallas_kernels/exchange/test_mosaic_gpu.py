@@ -537,10 +537,10 @@ def test_overlapped_waits_cover_every_stored_row(
     the kernel gets, as its copiers and GEMM producers use them, every round and receiver:
     each buffer slot is written once (a copy or a zero range); each counter's wait
     (`_zero_signals`) is exactly the signals sent to it (no deadlock, no early return); and
-    each slot the GEMMs store (before the
-    groups' end) is written by a writer that signals that slot's own tile, the counter a tile
-    storing the row waits for (no read before the write); and every counter that counts
-    something is waited for by a GEMM tile (the buffer is complete when the kernel returns)."""
+    each slot the GEMMs store (before the groups' end) is written by a writer that signals
+    that slot's own tile, the counter a tile storing the row waits for (no read before the
+    write); and every counter that counts something is waited for by a GEMM tile (the buffer
+    is complete when the kernel returns)."""
     from pallas_kernels.grouped_matmul import mosaic_gpu as grouped
 
     block_m = grouped.programs_config("swiglu", n=768, dtype=jnp.bfloat16).block_m
