@@ -762,15 +762,11 @@ def _dispatch_gemm(
 # The down projection overlapped with the return: one kernel (issue 7's overlap, the way back).
 
 
-def _down_return_kernel(
+def _gemm_return_kernel(
     schedule_ref,
-    h_ref,
-    w_down_ref,
-    scale_ref,
-    tables_ref,
-    y_ref,
-    out_ref,
-    *,
+    lhs_ref,
+    *refs,
+    gemm: gmm_kernel.ProgramsGemm,
     packed: _Packed,
     config,
     gemm_programs: int,
@@ -783,6 +779,9 @@ def _down_return_kernel(
     local: bool,
     copy_stages: int,
 ):
+    # The GEMM's other operands (weights, row scale), the tables, then the GEMM's output y and
+    # the rows back.
+    *gemm_refs, tables_ref, y_ref, out_ref = refs
     (src_p_ref, dst_p_ref, size_p_ref, peer_p_ref, round_p_ref, count_ref, arrivals_ref,
      zero_dst_ref, zero_size_ref, round_ref, first_p_ref, end_p_ref) = packed.views(
         tables_ref, *_MOVES[:5], *_MOVES[6:], "first_p", "end_p")  # fmt: skip
@@ -794,20 +793,20 @@ def _down_return_kernel(
     counters = pl.get_global(plgpu.SemaphoreType.REGULAR((num_row_tiles + 1,)))
     arrived = counters.at[num_row_tiles]
 
-    # R2. Programs [copy_programs, copy_programs + gemm_programs) run gmm's tiles: y = (h @
-    #     w_down[g]) * scale, f32, each consumer signalling its row tile once its stores of a
-    #     tile have completed. They wait for nothing.
+    # R2. Programs [copy_programs, copy_programs + gemm_programs) run the GEMM's tiles (y =
+    #     (h @ w_down[g]) * scale in f32, or the input gradient [d_gate | d_up] @ [w_gate |
+    #     w_up][g].T), each consumer signalling its row tile once its stores of a tile have
+    #     completed. They wait for nothing.
     @pl.when(program >= copy_programs)
     def _gemm():
         def after_tile(mi):
             pl.semaphore_signal(counters.at[mi])
 
         gmm_kernel.programs_body(
-            "scaled",
+            gemm,
             schedule_ref,
-            h_ref,
-            w_down_ref,
-            scale_ref,
+            lhs_ref,
+            *gemm_refs,
             y_ref,
             config=config,
             programs=gemm_programs,
@@ -909,34 +908,102 @@ def down_return(
     piece as soon as the row tiles storing its rows have completed: out is the rows every
     device's `back` copies here (rows of other rounds unspecified), and zeros in `back`'s zero
     ranges. Call inside `jax.shard_map` over `axis_name`."""
-    back.check()
-    _check_copy_stages(copy_stages)
     num_slots = h_sf.shape[0]
     if h_sf.ndim != 2 or w_down_gfd.ndim != 3 or h_sf.shape[1] != w_down_gfd.shape[1]:
         raise ValueError(f"h {h_sf.shape} must be [S, F] and w_down {w_down_gfd.shape} [G, F, D]")
     if scale_s.shape != (num_slots,) or scale_s.dtype != jnp.float32:
         raise ValueError(f"scale must be f32 [{num_slots}], got {scale_s.dtype} {scale_s.shape}")
+    return _gemm_return(
+        "scaled", h_sf, (w_down_gfd,), ("w_down",), group_sizes_g, back, round_index,
+        n=w_down_gfd.shape[2], scale_s=scale_s, out_rows=out_rows, axis_name=axis_name,
+        copy_programs=copy_programs, copy_stages=copy_stages,
+    )  # fmt: skip
+
+
+def dgrad_return(
+    d_gate_up_s2f: Array,
+    w_gate_gdf: Array,
+    w_up_gdf: Array,
+    group_sizes_g: Array,
+    back: Moves,
+    round_index: Array,
+    *,
+    out_rows: int,
+    axis_name: str,
+    copy_programs: int = 24,
+    copy_stages: int = 1,
+) -> tuple[Array, Array]:
+    """The expert MLP's input gradient of round `round_index` and its return to the rows'
+    sources in one kernel, overlapped (the backward's way back): -> (d_buffer [S, D], d_x
+    [out_rows, D]), in the dtype of d_gate_up.
+
+    The GEMM programs compute d_buffer = [d_gate | d_up] @ [w_gate | w_up][g].T over the
+    groups `group_sizes_g` (`gmm(d_gate_up, (w_gate, w_up), group_sizes, transpose_rhs=True)`,
+    bit for bit) from d_gate_up [S, 2F] and w_gate, w_up [G, D, F]; the copy programs send
+    each piece of it back along `back` as `send_rows(d_buffer, back, ...)` does, as soon as
+    the row tiles storing its rows have completed (as `down_return`). Not yet in the layer:
+    its GPU twin has not run (session 14 had no device time left)."""
+    if d_gate_up_s2f.ndim != 2 or w_gate_gdf.ndim != 3 or (
+        d_gate_up_s2f.shape[1] != 2 * w_gate_gdf.shape[2]
+    ):
+        raise ValueError(
+            f"d_gate_up {d_gate_up_s2f.shape} must be [S, 2F] and w_gate {w_gate_gdf.shape} "
+            "[G, D, F]"
+        )
+    return _gemm_return(
+        "dgrad", d_gate_up_s2f, (w_gate_gdf, w_up_gdf), ("w_gate", "w_up"), group_sizes_g, back,
+        round_index, n=w_gate_gdf.shape[1], scale_s=None, out_rows=out_rows,
+        axis_name=axis_name, copy_programs=copy_programs, copy_stages=copy_stages,
+    )  # fmt: skip
+
+
+def _gemm_return(
+    gemm: gmm_kernel.ProgramsGemm,
+    lhs_sk: Array,
+    weights: tuple[Array, ...],
+    weight_names: tuple[str, ...],
+    group_sizes_g: Array,
+    back: Moves,
+    round_index: Array,
+    *,
+    n: int,
+    scale_s: Array | None,
+    out_rows: int,
+    axis_name: str,
+    copy_programs: int,
+    copy_stages: int,
+) -> tuple[Array, Array]:
+    """`down_return` ("scaled", with scale_s) and `dgrad_return` ("dgrad"): `gemm` (N = n) on
+    lhs and the return of its output in one kernel (R1-R3)."""
+    back.check()
+    _check_copy_stages(copy_stages)
+    num_slots = lhs_sk.shape[0]
     if back.arrivals_c.shape != (1,):
         raise ValueError(f"the return counts on one counter, got arrivals {back.arrivals_c.shape}")
-    d_model = w_down_gfd.shape[2]
-    gmm_kernel._check_inputs(h_sf, (w_down_gfd,), group_sizes_g, ("w_down",))
-    config = gmm_kernel.programs_config("scaled", n=d_model, dtype=h_sf.dtype)
-    itemsize = jnp.dtype(h_sf.dtype).itemsize
+    gmm_kernel._check_inputs(lhs_sk, weights, group_sizes_g, weight_names)
+    config = gmm_kernel.programs_config(gemm, n=n, dtype=lhs_sk.dtype)
+    itemsize = jnp.dtype(lhs_sk.dtype).itemsize
+    out_dtype = jnp.dtype(jnp.float32 if gemm == "scaled" else lhs_sk.dtype)
     gmm_kernel._check_config(
-        config, k=h_sf.shape[1], n=d_model, itemsize=itemsize, out_itemsize=4, nr=1
+        config, k=lhs_sk.shape[1], n=n, itemsize=itemsize, out_itemsize=out_dtype.itemsize, nr=1
     )
+    part_k = lhs_sk.shape[1] // len(weights)
+    if part_k % config.block_k:
+        raise ValueError(f"each rhs part's K={part_k} must be a multiple of {config.block_k}")
     programs = tuning.persistent_grid_size()
     if not 0 < copy_programs < programs:
         raise ValueError(
             f"copy_programs={copy_programs} (MoEConfig.exchange_programs) must be in "
             f"[1, {programs}): this GPU runs {programs} programs, and some must run the GEMMs"
         )
-    # As in dispatch_swiglu: whole 8-row tiles, at least block_m rows (rows past S: zeros in
-    # h, stored by no tile, sliced off); the scale is read for whole tiles.
+    # As in the dispatch: whole 8-row tiles, at least block_m rows (rows past S: zeros in lhs,
+    # stored by no tile, sliced off); a row scale is read for whole tiles.
     kernel_rows = max(pl.cdiv(num_slots, 8) * 8, config.block_m)
     if kernel_rows != num_slots:
-        h_sf = jnp.pad(h_sf, ((0, kernel_rows - num_slots), (0, 0)))
-    scale_pad = jnp.pad(scale_s, (0, kernel_rows - num_slots + config.block_m))
+        lhs_sk = jnp.pad(lhs_sk, ((0, kernel_rows - num_slots), (0, 0)))
+    operands = weights
+    if scale_s is not None:
+        operands += (jnp.pad(scale_s, (0, kernel_rows - num_slots + config.block_m)),)
     schedule_t4 = gmm_kernel.schedule_table(
         group_sizes_g, num_rows=num_slots, tile_m=config.block_m
     )
@@ -944,13 +1011,14 @@ def down_return(
     named = _moves_tables(back, round_index) | {"first_p": first_p, "end_p": end_p}
     tables, packed = _pack(named, counters=schedule_t4.shape[0] + 1)
     kernel = functools.partial(
-        _down_return_kernel,
+        _gemm_return_kernel,
+        gemm=gemm,
         packed=packed,
         config=config,
         gemm_programs=programs - copy_programs,
         copy_programs=copy_programs,
-        box=stage_rows(d_model, jnp.dtype(jnp.float32).itemsize),
-        tile_signals=(d_model // config.block_n) * config.num_consumers,
+        box=stage_rows(n, out_dtype.itemsize),
+        tile_signals=(n // config.block_n) * config.num_consumers,
         num_row_tiles=schedule_t4.shape[0],
         num_zeros=back.zero_dst_z.shape[0],
         axis_name=axis_name,
@@ -958,8 +1026,8 @@ def down_return(
         copy_stages=copy_stages,
     )
     out_types = (
-        jax.ShapeDtypeStruct((kernel_rows, d_model), jnp.float32),
-        jax.ShapeDtypeStruct((out_rows, d_model), jnp.float32),
+        jax.ShapeDtypeStruct((kernel_rows, n), out_dtype),
+        jax.ShapeDtypeStruct((out_rows, n), out_dtype),
     )
     y, out = plgpu.kernel(
         kernel,
@@ -969,6 +1037,6 @@ def down_return(
         num_threads=config.num_consumers + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )(schedule_t4, h_sf, w_down_gfd, scale_pad, tables)
+    )(schedule_t4, lhs_sk, *operands, tables)
     y = y[:num_slots] if kernel_rows != num_slots else y
-    return _like(y, h_sf), _like(out, h_sf)
+    return _like(y, lhs_sk), _like(out, lhs_sk)

@@ -884,7 +884,7 @@ def schedule_table(group_sizes_g: Array, *, num_rows: int, tile_m: int) -> Array
 
 # The GEMMs a kernel of other work runs in some of its programs (invariant 11; the exchange's
 # kernels, pallas_kernels/exchange): the body's flags for each.
-ProgramsGemm = Literal["swiglu", "scaled", "transposed"]
+ProgramsGemm = Literal["swiglu", "scaled", "transposed", "dgrad"]
 _PROGRAMS_GEMMS: dict[str, dict] = {
     # h = silu(lhs @ w_gate[g]) * (lhs @ w_up[g]), lhs dtype: refs w_gate, w_up, h.
     "swiglu": dict(transpose_rhs=False, num_rhs=2, has_row_scale=False, swiglu=True),
@@ -892,17 +892,23 @@ _PROGRAMS_GEMMS: dict[str, dict] = {
     "scaled": dict(transpose_rhs=False, num_rhs=1, has_row_scale=True, swiglu=False),
     # lhs @ rhs[g].T, f32: refs rhs [G, N, K], out.
     "transposed": dict(transpose_rhs=True, num_rhs=1, has_row_scale=False, swiglu=False),
+    # lhs @ [rhs_a | rhs_b][g].T in lhs dtype, the rhs in two parts along K (invariant 9):
+    # refs rhs_a, rhs_b [G, N, K/2], out. The expert MLP's input gradient from [d_gate | d_up].
+    "dgrad": dict(transpose_rhs=True, num_rhs=1, has_row_scale=False, swiglu=False, rhs_k_parts=2),
 }
 
 
 def programs_config(gemm: ProgramsGemm, *, n: int, dtype) -> TileConfig:
     """The tiles `programs_body` runs for `gemm` with N = n (F for "swiglu"): the default of
-    `gmm_swiglu` ("swiglu") or of `gmm` with an f32 output ("scaled", "transposed"), without
+    `gmm_swiglu` ("swiglu"), of `gmm` with an f32 output ("scaled", "transposed") or of the
+    transposed `gmm` with the lhs dtype's ("dgrad"), without
     clusters (a kernel whose programs do different work cannot pair them). Clusters give the
     single-CTA bits (invariant 7), so the outputs are those of `gmm_swiglu` and `gmm`, bit for
     bit."""
     if gemm == "swiglu":
         config = default_config(n=n, dtype=dtype, swiglu=True)
+    elif gemm == "dgrad":
+        config = default_config(n=n, dtype=dtype, transpose_rhs=True)
     else:
         transposed = _PROGRAMS_GEMMS[gemm]["transpose_rhs"]
         config = default_config(n=n, dtype=dtype, transpose_rhs=transposed, out_dtype=jnp.float32)
@@ -927,8 +933,10 @@ def programs_body(
 
     gemm: "swiglu" (refs w_gate, w_up [G, K, F], h [M', F]: `gmm_swiglu`), "scaled" (refs rhs
     [G, K, N], scale f32 [M' + block_m], out f32 [M', N]: `gmm(..., row_scale_m=scale,
-    out_dtype=f32)`) or "transposed" (refs rhs [G, N, K], out f32 [M', N]: `gmm(...,
-    transpose_rhs=True, out_dtype=f32)`), with `programs_config(gemm, ...)`'s tiles. lhs [M',
+    out_dtype=f32)`), "transposed" (refs rhs [G, N, K], out f32 [M', N]: `gmm(...,
+    transpose_rhs=True, out_dtype=f32)`) or "dgrad" (refs rhs_a, rhs_b [G, N, K/2], out [M',
+    N] in lhs dtype: `gmm(lhs, (rhs_a, rhs_b), ..., transpose_rhs=True)`), with
+    `programs_config(gemm, ...)`'s tiles. lhs [M',
     K] (M' >= max(M, block_m), a multiple of 8); schedule_ref [T, 4] is
     `schedule_table(group_sizes, num_rows=M, tile_m=config.block_m)`; outputs as those
     functions compute them, rows past M unspecified.

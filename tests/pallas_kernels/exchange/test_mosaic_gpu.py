@@ -922,3 +922,124 @@ def test_gpu_down_return_gives_the_bits_of_the_separate_kernels(
             got = np.asarray(out).reshape(len(devices), num_rows, -1)[s][mine]
             want = np.asarray(want_out).reshape(len(devices), num_rows, -1)[s][mine]
             chex.assert_trees_all_equal(got, want)
+
+
+# ---------------------------------------------------------------------------------------------
+# The input gradient overlapped with its return (`dgrad_return`; not yet in the layer).
+
+
+def dgrad_return_fn(num_local, num_rows, window, tile, *, copy_programs: int):
+    """(d_gate_up [EP * S, 2F], w_gate, w_up [EP * G, D, F], counts [EP, E], round []) ->
+    (d_buffer [EP * S, D], d_x [EP * N, D]) inside shard_map: the round's input gradient and
+    its return by the overlapped kernel (copy_programs > 0), or by the transposed gmm over the
+    two weights then `send_rows` (0)."""
+    from pallas_kernels.grouped_matmul import mosaic_gpu as grouped
+
+    slots = xp.num_tiles(window, tile, num_local) * tile
+
+    def body(d_gate_up, w_gate, w_up, counts_se, round_index):
+        me = jax.lax.axis_index(AXIS)
+        t = exchange.traffic(counts_se, num_local)
+        _, back = xp.exchange_moves(t, me, round_index, num_rows, window, tile)
+        group_sizes, _ = xp.buffer_layout(t, me, round_index, window, tile)
+        if copy_programs:
+            return mosaic_gpu.dgrad_return(
+                d_gate_up, w_gate, w_up, group_sizes, back, round_index, out_rows=num_rows,
+                axis_name=AXIS, copy_programs=copy_programs,
+            )  # fmt: skip
+        d_buffer = grouped.gmm(d_gate_up, (w_gate, w_up), group_sizes, transpose_rhs=True)
+        d_buffer = mosaic_gpu._like(d_buffer, d_gate_up)
+        d_x = mosaic_gpu.send_rows(d_buffer, back, round_index, out_rows=num_rows, axis_name=AXIS)
+        return d_buffer, d_x
+
+    return body, slots
+
+
+def dgrad_return_inputs(mesh, num_local, slots, d_model, d_ff, seed=0):
+    """Random bf16 (d_gate_up, w_gate, w_up) for dgrad_return_fn, placed on `mesh`."""
+    num_devices = mesh.devices.size
+    keys = jax.random.split(jax.random.key(seed), 3)
+    d_gate_up = jax.random.normal(keys[0], (num_devices * slots, 2 * d_ff))
+    w = [jax.random.normal(k, (num_devices * num_local, d_model, d_ff)) / d_ff**0.5
+         for k in keys[1:]]  # fmt: skip
+    put = lambda a: jax.device_put(a.astype(jnp.bfloat16), jax.NamedSharding(mesh, P(AXIS)))  # noqa: E731
+    return put(d_gate_up), *(put(a) for a in w)
+
+
+def test_dgrad_return_lowers_for_cuda_inside_shard_map_on_8_devices():
+    """One kernel for the input gradient (the weights read as two parts along K) and its
+    return, its peers addressed through XLA's collective metadata, its counters one set for
+    the kernel; bad arguments raise."""
+    from pallas_kernels.grouped_matmul import mosaic_gpu as grouped
+
+    num_devices, num_local, num_rows, window, tile = 8, 4, 512, 640, 64
+    d_model, d_ff = 2048, 768
+    mesh = jax.make_mesh((num_devices,), (AXIS,))
+    body, slots = dgrad_return_fn(num_local, num_rows, window, tile, copy_programs=16)
+    specs = dict(mesh=mesh, in_specs=(P(AXIS),) * 3 + (P(), P()), out_specs=(P(AXIS),) * 2)
+    fn = jax.jit(jax.shard_map(body, **specs))
+    sharded = lambda shape, dtype, spec: jax.ShapeDtypeStruct(  # noqa: E731
+        shape, dtype, sharding=jax.NamedSharding(mesh, spec)
+    )
+    w_type = sharded((num_devices * num_local, d_model, d_ff), jnp.bfloat16, P(AXIS))
+    args = (
+        sharded((num_devices * slots, 2 * d_ff), jnp.bfloat16, P(AXIS)),
+        w_type,
+        w_type,
+        sharded((num_devices, num_devices * num_local), jnp.int32, P()),
+        sharded((), jnp.int32, P()),
+    )
+    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
+    assert "uses_xla_collective_metadata = true" in text
+    assert "skip_device_barrier = false" in text
+    assert re.search(
+        rf"-> \(tensor<{slots}x{d_model}xbf16>, tensor<{num_rows}x{d_model}xbf16>", text
+    )
+    block_m = grouped.programs_config("dgrad", n=d_model, dtype=jnp.bfloat16).block_m
+    counters = pl.cdiv(slots, block_m) + num_local + 1
+    assert re.search(rf"dims = \[\] : \(tensor<i32>\) -> tensor<{counters}xi32>", text)
+    assert_no_operand_can_share_the_counters(text)
+    # d_gate_up narrower than the two weights' 2F: refused.
+    bad = (sharded((num_devices * slots, d_ff), jnp.bfloat16, P(AXIS)), *args[1:])
+    with pytest.raises(ValueError, match="2F"):
+        fn.trace(*bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "num_local,num_rows,window,tile,copy_programs",
+    [(4, 4096, 3072, 64, 16), (3, 200, 96, 8, 1), (8, 4096, 6144, 64, 64)],
+)
+def test_gpu_dgrad_return_gives_the_bits_of_the_separate_kernels(
+    num_local, num_rows, window, tile, copy_programs
+):
+    """The overlapped kernel's input gradient (every slot) and returned rows (every row of
+    the round, on every device) are those of the transposed gmm then send_rows, bit for bit,
+    round by round."""
+    devices = jax.devices()
+    mesh = jax.make_mesh((len(devices),), (AXIS,), devices=devices)
+    d_model, d_ff = 2048, 768
+    counts_se = random_counts(4, len(devices), num_local, num_rows)
+    t = exchange.traffic(jnp.asarray(counts_se), num_local)
+    rounds = int(exchange.window_rounds(t, window))
+    slots = xp.num_tiles(window, tile, num_local) * tile
+    specs = dict(mesh=mesh, in_specs=(P(AXIS),) * 3 + (P(), P()), out_specs=(P(AXIS),) * 2)
+    runs = [
+        jax.jit(jax.shard_map(
+            dgrad_return_fn(num_local, num_rows, window, tile, copy_programs=c)[0], **specs
+        ))
+        for c in (copy_programs, 0)
+    ]  # fmt: skip
+    put = lambda a: jax.device_put(jnp.asarray(a), jax.NamedSharding(mesh, P()))  # noqa: E731
+    for r in range(rounds):
+        inputs = dgrad_return_inputs(mesh, num_local, slots, d_model, d_ff, seed=r)
+        (d_buffer, d_x), (want_buffer, want_x) = (
+            run(*inputs, put(counts_se), put(jnp.int32(r))) for run in runs
+        )
+        chex.assert_trees_all_equal(d_buffer, want_buffer)
+        for s in range(len(devices)):
+            mine = np.asarray(xp.row_places(t, jnp.int32(s), num_rows, window, tile).round_n) == r
+            got = np.asarray(d_x, np.float32).reshape(len(devices), num_rows, -1)[s][mine]
+            want = np.asarray(want_x, np.float32).reshape(len(devices), num_rows, -1)[s][mine]
+            chex.assert_trees_all_equal(got, want)
