@@ -178,6 +178,8 @@ def _fused_round(r, rows, weights, plan, spec: RoutedSpec) -> Array:
             tile=tile,
             axis_name=spec.axis,
             recompute=spec.recompute,
+            # The backward's recomputed forward dispatches in a kernel of its own; its
+            # cotangent's dispatch still runs inside the first backward GEMM's kernel.
             copy_programs=0 if spec.recomputing else spec.exchange_programs,
             grad_copy_programs=spec.exchange_programs,
             interpret=jax.default_backend() == "cpu",

@@ -1,7 +1,8 @@
 """The expert-parallel exchange inside a kernel (issue 7): moves.py (`Moves`, one device's copy
 tables), reference.py (the spec, with JAX's collectives), mosaic_gpu.py (one direction of a
-round as one Mosaic GPU kernel of remote copies and semaphores, and `dispatch_swiglu`, the
-dispatch inside the gate/up GEMMs' kernel) and ops.py (`send_rows` and `dispatch_mlp`, the
+round as one Mosaic GPU kernel of remote copies and semaphores; and the copies overlapped with
+GEMMs in one kernel: `dispatch_swiglu` and `down_return` in the forward, `dispatch_down_grad`
+and `dgrad_return` in the backward) and ops.py (`send_rows` and `dispatch_mlp`, the
 differentiable ops). The protocol that builds the tables (slots, copies, counts) is
 mok_jax/exchange_protocol.py's."""
 

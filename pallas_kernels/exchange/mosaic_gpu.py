@@ -21,7 +21,9 @@ yet run across GPUs). `dispatch_down_grad` runs the backward's dispatch (the res
 cotangent) inside the kernel of its first GEMM, g = dy @ w_down.T, as `dispatch_swiglu` does
 (bitwise equal to the separate kernels on one H200, session 14,
 bench/results/2026-12-01_exchange_backward_h200_s14/); the backward's other copies (the
-recomputed dispatch, the gradients back) are still kernels of their own.
+recomputed dispatch, the gradients back) are still kernels of their own in the layer.
+`dgrad_return` (the input gradient's GEMM with the return of d_x, `down_return`'s kernel with
+another GEMM) lowers for CUDA; its GPU twin has not run, and the layer does not use it yet.
 
 Invariants (send_rows; the overlapped dispatch's O1-O3 and down_return's R1-R3 are in their
 bodies):
@@ -43,7 +45,8 @@ bodies):
      shape (the return's empty zero ranges, [1], against its one counter) became the
      counters' own buffer, so the kernel read its zero ranges from the counters as they
      counted (session 13: rows [13, 26) of a return zeroed after 13 arrivals). The same
-     holds for dispatch_swiglu and down_return.
+     holds for the overlapped kernels (dispatch_swiglu, dispatch_down_grad, down_return,
+     dgrad_return).
 """
 
 from __future__ import annotations
@@ -300,8 +303,14 @@ def _check_copy_stages(stages: int) -> None:
 
 
 def _stage_smem(lead: tuple[int, ...], box: int, d: int, dtype, stages: int):
-    """The SMEM of copiers' stages: [*lead, B, D], or [*lead, S, B/S, D] pipelined."""
+    """The SMEM of copiers' stages: [*lead, B, D], or [*lead, S, B/S, D] pipelined. Raises
+    ValueError if B < S (a stage of no rows: rows too wide for that many stages)."""
     _check_copy_stages(stages)
+    if box < stages:
+        raise ValueError(
+            f"copy_stages={stages} needs stages of at least one row: a stage of {box} rows of "
+            f"D={d} cannot be split in {stages}"
+        )
     shape = (box, d) if stages == 1 else (stages, box // stages, d)
     return plgpu.SMEM((*lead, *shape), dtype)
 
@@ -526,8 +535,8 @@ def _dispatch_gemm_kernel(
         def copy_scope(stages, side_stages, loaded):
             wg = lax.axis_index("wg")
             copier = program * num_wg + wg
-            # The rows and their weights through stages of their own, on the same barriers
-            # (one copy after the other).
+            # The rows and the side (their routing weights, or the cotangent times them)
+            # through stages of their own, on the same barriers (one copy after the other).
             stage = _copier(stages, loaded, wg, copy_stages)
             side_stage = _copier(side_stages, loaded, wg, copy_stages)
             round_index = round_ref[0]
@@ -589,7 +598,8 @@ def _dispatch_gemm_kernel(
 def _zero_signals(moves: Moves, groups_end: Array, tile: int, num_counters: int):
     """Per zero range z, the tiles [first_z, end_z) whose counters count it: those of its rows
     before `groups_end` (the padding inside the groups, whose h rows the GEMM stores; past the
-    groups no GEMM tile waits: their h rows are zeros stored by tiles that load nothing). And
+    groups no GEMM tile waits: their GEMM output rows are zeros stored by tiles that load
+    nothing). And
     the count each counter then waits for: the protocol's arrivals plus its zero ranges."""
     start_z, size_z = moves.zero_dst_z, moves.zero_size_z
     end_z = jnp.minimum(start_z + size_z, groups_end)
@@ -630,11 +640,9 @@ def dispatch_swiglu(
     and h is `gmm_swiglu(buffer, w_gate, w_up, group_sizes_g)`, bit for bit; rows no copy or
     zero range fills are unspecified (h's past the groups are zeros). Call inside
     `jax.shard_map` over `axis_name`."""
-    if w_gate_gdf.shape[1] != src_ad.shape[1]:
-        raise ValueError(f"src D={src_ad.shape[1]} must equal w_gate's (shape {w_gate_gdf.shape})")
     return _dispatch_gemm(
         "swiglu", src_ad, side_ac, moves, round_index, (w_gate_gdf, w_up_gdf), ("w_gate", "w_up"),
-        group_sizes_g, n=w_gate_gdf.shape[2], out_rows=out_rows, tile=tile, axis_name=axis_name,
+        group_sizes_g, out_rows=out_rows, tile=tile, axis_name=axis_name,
         copy_programs=copy_programs, copy_stages=copy_stages,
     )  # fmt: skip
 
@@ -663,11 +671,9 @@ def dispatch_down_grad(
     side [A, C] (the cotangent times the routing weight, bf16 [A, D], which d_w_down reads),
     and each GEMM tile starts once the dy rows it stores are in. Call inside `jax.shard_map`
     over `axis_name`."""
-    if w_down_gfd.shape[2] != dy_ad.shape[1]:
-        raise ValueError(f"dy D={dy_ad.shape[1]} must equal w_down's (shape {w_down_gfd.shape})")
     return _dispatch_gemm(
         "transposed", dy_ad, side_ac, moves, round_index, (w_down_gfd,), ("w_down",),
-        group_sizes_g, n=w_down_gfd.shape[1], out_rows=out_rows, tile=tile, axis_name=axis_name,
+        group_sizes_g, out_rows=out_rows, tile=tile, axis_name=axis_name,
         copy_programs=copy_programs, copy_stages=copy_stages,
     )  # fmt: skip
 
@@ -682,24 +688,29 @@ def _dispatch_gemm(
     weight_names: tuple[str, ...],
     group_sizes_g: Array,
     *,
-    n: int,
     out_rows: int,
     tile: int,
     axis_name: str,
     copy_programs: int,
     copy_stages: int,
 ) -> tuple[Array, Array, Array]:
-    """`dispatch_swiglu` and `dispatch_down_grad`: the dispatch and `gemm` (N = n) on the
-    buffer in one kernel (O1-O3)."""
+    """`dispatch_swiglu` and `dispatch_down_grad`: the dispatch and `gemm` on the buffer in one
+    kernel (O1-O3). The weights are [G, D, N] ("swiglu") or [G, N, D] ("transposed")."""
     moves.check()
     _check_copy_stages(copy_stages)
+    gmm_kernel._check_inputs(src_ad, weights, group_sizes_g, weight_names)
     num_src, d_model = src_ad.shape
-    if side_ac.shape[0] != num_src:
+    transposed = gemm == "transposed"
+    k_axis, n = (2, weights[0].shape[1]) if transposed else (1, weights[0].shape[2])
+    if weights[0].shape[k_axis] != d_model:
+        raise ValueError(
+            f"the rows' D={d_model} must equal {weight_names[0]}'s (shape {weights[0].shape})"
+        )
+    if side_ac.ndim != 2 or side_ac.shape[0] != num_src:
         raise ValueError(f"side rows {side_ac.shape} must match src rows {src_ad.shape}")
     num_counters = moves.arrivals_c.shape[0]
     if num_counters * tile != out_rows:
         raise ValueError(f"{num_counters} counters of {tile} rows must cover out_rows={out_rows}")
-    gmm_kernel._check_inputs(src_ad, weights, group_sizes_g, weight_names)
     config = gmm_kernel.programs_config(gemm, n=n, dtype=src_ad.dtype)
     itemsize = jnp.dtype(src_ad.dtype).itemsize
     out_dtype = src_ad.dtype if gemm == "swiglu" else jnp.float32
@@ -943,8 +954,10 @@ def dgrad_return(
     each piece of it back along `back` as `send_rows(d_buffer, back, ...)` does, as soon as
     the row tiles storing its rows have completed (as `down_return`). Not yet in the layer:
     its GPU twin has not run (session 14 had no device time left)."""
-    if d_gate_up_s2f.ndim != 2 or w_gate_gdf.ndim != 3 or (
-        d_gate_up_s2f.shape[1] != 2 * w_gate_gdf.shape[2]
+    if (
+        d_gate_up_s2f.ndim != 2
+        or w_gate_gdf.ndim != 3
+        or (d_gate_up_s2f.shape[1] != 2 * w_gate_gdf.shape[2])
     ):
         raise ValueError(
             f"d_gate_up {d_gate_up_s2f.shape} must be [S, 2F] and w_gate {w_gate_gdf.shape} "

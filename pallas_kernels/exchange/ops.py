@@ -9,8 +9,9 @@ the reverse is a copy too.
 round's exchange and expert MLP as one differentiable op: its forward runs the dispatch inside
 the gate/up GEMMs' kernel (`mosaic_gpu.dispatch_swiglu`) and the return inside the down
 projection's (`mosaic_gpu.down_return`); its backward copies the results' cotangent to the
-buffers inside the kernel of the first backward GEMM (`mosaic_gpu.dispatch_down_grad`), runs
-the rest of `grouped_matmul.ops.swiglu_mlp_grads` there, and copies the gradients back. The
+buffers (with recompute "gmm", inside the kernel of the first backward GEMM:
+`mosaic_gpu.dispatch_down_grad`), runs the rest of `grouped_matmul.ops.swiglu_mlp_grads`
+there, and copies the gradients back. The
 values and gradients are those of `send_rows`, then `grouped_matmul.ops.swiglu_mlp`, then
 `send_rows` back.
 """
@@ -202,26 +203,41 @@ def _grads_at_buffers(static: _MlpStatic, d_out, scale_n, residuals):
     """`swiglu_mlp_grads` on the buffers for the round's results' cotangent d_out [N, D]: the
     return's gradient is each slot's cotangent from its row, copied along the dispatch (zeros
     in the slots no row fills: its zero ranges). With grad_copy_programs > 0 (recompute
-    "gmm", on the GPU) the copies run inside the first backward GEMM's kernel
+    "gmm") the copies run inside the first backward GEMM's kernel
     (`mosaic_gpu.dispatch_down_grad`): d_out leaves as the GEMMs read it, rounded, and times
     its row's weight, rounded (the same bytes as f32, and the bits the GEMMs would compute
-    from the f32 copy at the slot, whose weight is the row's)."""
+    from the f32 copy at the slot, whose weight is the row's). With `interpret` (the CPU) the
+    same path runs as the kernel's spec."""
     buffer, scale_s, w_gate, w_up, w_down, group_sizes, moves, round_index = residuals
-    if static.grad_copy_programs and static.recompute == "gmm" and not static.interpret:
+    if static.grad_copy_programs and static.recompute == "gmm":
         dy_c = d_out.astype(buffer.dtype)
-        dy_down = (d_out.astype(jnp.float32) * scale_n[:, None]).astype(buffer.dtype)
-        _, dy_down_s, g = mosaic_gpu.dispatch_down_grad(
-            dy_c,
-            dy_down,
-            moves,
-            round_index,
-            w_down,
-            group_sizes,
-            out_rows=static.out_rows,
-            tile=static.tile,
-            axis_name=static.axis_name,
-            copy_programs=static.grad_copy_programs,
+        dy_down = (d_out.astype(jnp.float32) * scale_n.astype(jnp.float32)[:, None]).astype(
+            buffer.dtype
         )
+        if static.interpret:
+            # The CPU: the kernel's spec, the copies by `send_rows` (its reference there) and the
+            # GEMM in interpret mode, so the CPU tests hold this path's bits too.
+            send = functools.partial(
+                _send, out_rows=static.out_rows, axis_name=static.axis_name, implementation="auto"
+            )
+            dy_s = send(dy_c, moves, round_index)
+            dy_down_s = send(dy_down, moves, round_index)
+            g = grouped_kernel.gmm(dy_s, w_down, group_sizes, transpose_rhs=True,
+                                   out_dtype=jnp.float32, interpret=True)  # fmt: skip
+            g = grouped_ops.like(g, dy_s)
+        else:
+            _, dy_down_s, g = mosaic_gpu.dispatch_down_grad(
+                dy_c,
+                dy_down,
+                moves,
+                round_index,
+                w_down,
+                group_sizes,
+                out_rows=static.out_rows,
+                tile=static.tile,
+                axis_name=static.axis_name,
+                copy_programs=static.grad_copy_programs,
+            )
         return grouped_ops.swiglu_mlp_grads_from_g(
             buffer, w_gate, w_up, w_down, group_sizes, scale_s, g, dy_down_s,
             interpret=static.interpret,

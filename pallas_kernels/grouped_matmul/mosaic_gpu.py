@@ -885,7 +885,7 @@ def schedule_table(group_sizes_g: Array, *, num_rows: int, tile_m: int) -> Array
 # The GEMMs a kernel of other work runs in some of its programs (invariant 11; the exchange's
 # kernels, pallas_kernels/exchange): the body's flags for each.
 ProgramsGemm = Literal["swiglu", "scaled", "transposed", "dgrad"]
-_PROGRAMS_GEMMS: dict[str, dict] = {
+_PROGRAMS_GEMMS: dict[str, dict[str, bool | int]] = {
     # h = silu(lhs @ w_gate[g]) * (lhs @ w_up[g]), lhs dtype: refs w_gate, w_up, h.
     "swiglu": dict(transpose_rhs=False, num_rhs=2, has_row_scale=False, swiglu=True),
     # (lhs @ rhs[g]) * scale, f32: refs rhs, scale (f32 [M' + block_m]), out.
@@ -898,6 +898,11 @@ _PROGRAMS_GEMMS: dict[str, dict] = {
 }
 
 
+def _check_programs_gemm(gemm: str) -> None:
+    if gemm not in _PROGRAMS_GEMMS:
+        raise ValueError(f"gemm={gemm!r} must be one of {tuple(_PROGRAMS_GEMMS)}")
+
+
 def programs_config(gemm: ProgramsGemm, *, n: int, dtype) -> TileConfig:
     """The tiles `programs_body` runs for `gemm` with N = n (F for "swiglu"): the default of
     `gmm_swiglu` ("swiglu"), of `gmm` with an f32 output ("scaled", "transposed") or of the
@@ -905,6 +910,7 @@ def programs_config(gemm: ProgramsGemm, *, n: int, dtype) -> TileConfig:
     clusters (a kernel whose programs do different work cannot pair them). Clusters give the
     single-CTA bits (invariant 7), so the outputs are those of `gmm_swiglu` and `gmm`, bit for
     bit."""
+    _check_programs_gemm(gemm)
     if gemm == "swiglu":
         config = default_config(n=n, dtype=dtype, swiglu=True)
     elif gemm == "dgrad":
@@ -945,6 +951,7 @@ def programs_body(
     lhs rows [first, end), the rows the tile stores, are in place (invariant 11). Each consumer
     calls `after_tile(mi)` once its stores of a tile of row tile mi have completed (invariant
     12): N / block_n * num_consumers calls a row tile that stores rows."""
+    _check_programs_gemm(gemm)
     _kernel(
         schedule_ref,
         lhs_ref,

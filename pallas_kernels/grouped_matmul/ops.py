@@ -26,7 +26,8 @@
               d_w_down = tgmm(h, s * dy): 8 GEMM passes (in 6 kernels or 4), against the 11 of
               gmm_swiglu's and gmm's VJPs chained (whose h, gate/up and unscaled output are
               each recomputed). With `saved` (h, gate, up of the forward) g is one gmm and the
-              rest as gmm_swiglu's backward: 6 passes.
+              rest as gmm_swiglu's backward: 6 passes. `swiglu_mlp_grads_from_g` takes g and
+              s * dy formed elsewhere (the exchange's kernel, which forms g as dy arrives).
 Cotangents are cast to the compute dtype (lhs's) before they enter a kernel; weight gradients
 come out in the weights' dtype, input gradients in lhs's, d_s in f32. group_sizes gets no
 gradient. Every kernel call uses the defaults table's tiles (`tuning.py`).

@@ -135,6 +135,11 @@ def test_lowered_for_cuda_on_8_devices(layout):
     assert OVERLAPPED_DISPATCH.search(text), "no kernel of dispatch and gate/up"
     assert OVERLAPPED_RETURN.search(text), "no kernel of the down projection and the return"
     assert OVERLAPPED_COTANGENT.search(text), "no kernel of the cotangent's dispatch and g"
+    # Two of each, round 0's and the rounds loop's: the backward's recomputed forward
+    # dispatches in kernels of their own (RoutedSpec.recomputing; else 4 dispatch kernels).
+    kernels = [len(k.findall(text)) for k in (OVERLAPPED_DISPATCH, OVERLAPPED_RETURN,
+                                              OVERLAPPED_COTANGENT)]  # fmt: skip
+    assert kernels == [2, 2, 2], kernels
     assert "uses_xla_collective_metadata = true" in text
     for collective in ("ragged_all_to_all", "all_to_all", "collective_permute"):
         assert not re.search(rf"stablehlo\.{collective}\b", text), collective

@@ -384,6 +384,9 @@ def test_stage_rows():
     assert mosaic_gpu._dispatch_boxes(2048, 2, 4, 4) == (16, 64)
     assert mosaic_gpu._dispatch_boxes(2048, 2, 2048, 2) == (8, 8)
     assert mosaic_gpu._dispatch_boxes(7168, 2, 7168, 2) == (2, 2)
+    # Stages of no rows: refused (2 rows of 7168 bf16 cannot be split in 4).
+    with pytest.raises(ValueError, match="copy_stages=4"):
+        mosaic_gpu._stage_smem((), 2, 7168, jnp.bfloat16, 4)
     assert mosaic_gpu.stage_rows(4, 4) == 64
 
 
@@ -639,7 +642,8 @@ def test_gpu_dispatch_swiglu_gives_the_bits_of_the_separate_kernels(
 # The backward's dispatch overlapped with its first GEMM (`dispatch_down_grad`).
 
 
-def dispatch_down_grad_fn(num_local, num_rows, window, tile, *, copy_programs: int):
+def dispatch_down_grad_fn(num_local, num_rows, window, tile, *, copy_programs: int,
+                          copy_stages: int = 1):  # fmt: skip
     """(dy [EP * N, D], dy_down [EP * N, D], w_down [EP * G, F, D], counts [EP, E], round [])
     -> (dy [EP * S, D], dy_down [EP * S, D], g f32 [EP * S, F]) inside shard_map: the round's
     dispatch of the cotangent and g = dy @ w_down[g].T by the overlapped kernel (copy_programs
@@ -656,7 +660,7 @@ def dispatch_down_grad_fn(num_local, num_rows, window, tile, *, copy_programs: i
         if copy_programs:
             return mosaic_gpu.dispatch_down_grad(
                 dy, dy_down, dispatch, round_index, w_down, group_sizes, out_rows=slots,
-                tile=tile, axis_name=AXIS, copy_programs=copy_programs,
+                tile=tile, axis_name=AXIS, copy_programs=copy_programs, copy_stages=copy_stages,
             )  # fmt: skip
         send = functools.partial(mosaic_gpu.send_rows, axis_name=AXIS, out_rows=slots)
         buf = send(dy, dispatch, round_index)
@@ -684,7 +688,8 @@ DOWN_GRAD_CALL = (
 )
 
 
-def test_dispatch_down_grad_lowers_for_cuda_inside_shard_map_on_8_devices():
+@pytest.mark.parametrize("copy_stages", [1, 4])
+def test_dispatch_down_grad_lowers_for_cuda_inside_shard_map_on_8_devices(copy_stages):
     """One kernel for the cotangent's dispatch (dy and dy times the weights, with one set of
     tables) and g = dy @ w_down[g].T, its peers addressed through XLA's collective metadata,
     its tile counters one set for the kernel; bad arguments raise."""
@@ -692,7 +697,8 @@ def test_dispatch_down_grad_lowers_for_cuda_inside_shard_map_on_8_devices():
     d_model, d_ff = 2048, 768
     mesh = jax.make_mesh((num_devices,), (AXIS,))
     specs = dict(mesh=mesh, in_specs=(P(AXIS),) * 3 + (P(), P()), out_specs=(P(AXIS),) * 3)
-    body, slots = dispatch_down_grad_fn(num_local, num_rows, window, tile, copy_programs=16)
+    body, slots = dispatch_down_grad_fn(num_local, num_rows, window, tile, copy_programs=16,
+                                        copy_stages=copy_stages)  # fmt: skip
     sharded = lambda shape, dtype, spec: jax.ShapeDtypeStruct(  # noqa: E731
         shape, dtype, sharding=jax.NamedSharding(mesh, spec)
     )
@@ -713,10 +719,12 @@ def test_dispatch_down_grad_lowers_for_cuda_inside_shard_map_on_8_devices():
     assert "uses_xla_collective_metadata = true" in text
     assert "skip_device_barrier = false" in text
     assert_no_operand_can_share_the_counters(text)
-    # w_down of another width than dy: refused.
-    bad_args = (*args[:2], sharded((num_devices * num_local, d_ff, 1024), jnp.bfloat16, P(AXIS)))
-    with pytest.raises(ValueError, match="w_down"):
-        jax.jit(jax.shard_map(body, **specs)).trace(*bad_args, *args[3:])
+    # w_down of another width than dy, or not of rank 3: refused.
+    for w_down, match in (((num_devices * num_local, d_ff, 1024), "D=2048 must equal w_down"),
+                          ((num_devices * num_local, d_ff), "rank 3")):  # fmt: skip
+        bad_args = (*args[:2], sharded(w_down, jnp.bfloat16, P(AXIS)))
+        with pytest.raises(ValueError, match=match):
+            jax.jit(jax.shard_map(body, **specs)).trace(*bad_args, *args[3:])
 
 
 @pytest.mark.gpu
