@@ -787,6 +787,18 @@ def down_return_fn(num_local, num_rows, window, tile, *, copy_programs: int,
     return body, slots
 
 
+def assert_round_rows_equal(got, want, t, round_index, num_rows, window, tile):
+    """Every device's rows of round `round_index` in got and want ([EP * N, D], the rows back
+    at their sources; other rounds' rows unspecified) are equal, bit for bit (bf16 compared
+    through its exact f32 values)."""
+    num_devices = got.shape[0] // num_rows
+    got, want = (np.asarray(a, np.float32).reshape(num_devices, num_rows, -1) for a in (got, want))
+    for s in range(num_devices):
+        places = xp.row_places(t, jnp.int32(s), num_rows, window, tile)
+        mine = np.asarray(places.round_n) == round_index
+        chex.assert_trees_all_equal(got[s][mine], want[s][mine])
+
+
 def down_return_inputs(mesh, num_local, slots, d_model, d_ff, seed=0):
     """Random (h, scale, w_down) for down_return_fn, placed on `mesh`."""
     num_devices = mesh.devices.size
@@ -925,11 +937,7 @@ def test_gpu_down_return_gives_the_bits_of_the_separate_kernels(
             run(*inputs, put(counts_se), put(jnp.int32(r))) for run in runs
         )
         chex.assert_trees_all_equal(y, want_y)
-        for s in range(len(devices)):
-            mine = np.asarray(xp.row_places(t, jnp.int32(s), num_rows, window, tile).round_n) == r
-            got = np.asarray(out).reshape(len(devices), num_rows, -1)[s][mine]
-            want = np.asarray(want_out).reshape(len(devices), num_rows, -1)[s][mine]
-            chex.assert_trees_all_equal(got, want)
+        assert_round_rows_equal(out, want_out, t, r, num_rows, window, tile)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1046,8 +1054,4 @@ def test_gpu_dgrad_return_gives_the_bits_of_the_separate_kernels(
             run(*inputs, put(counts_se), put(jnp.int32(r))) for run in runs
         )
         chex.assert_trees_all_equal(d_buffer, want_buffer)
-        for s in range(len(devices)):
-            mine = np.asarray(xp.row_places(t, jnp.int32(s), num_rows, window, tile).round_n) == r
-            got = np.asarray(d_x, np.float32).reshape(len(devices), num_rows, -1)[s][mine]
-            want = np.asarray(want_x, np.float32).reshape(len(devices), num_rows, -1)[s][mine]
-            chex.assert_trees_all_equal(got, want)
+        assert_round_rows_equal(d_x, want_x, t, r, num_rows, window, tile)
