@@ -11,9 +11,8 @@ the gate/up GEMMs' kernel (`mosaic_gpu.dispatch_swiglu`) and the return inside t
 projection's (`mosaic_gpu.down_return`); its backward copies the results' cotangent to the
 buffers (with recompute "gmm", inside the kernel of the first backward GEMM:
 `mosaic_gpu.dispatch_down_grad`), runs the rest of `grouped_matmul.ops.swiglu_mlp_grads`
-there, and copies the gradients back. The
-values and gradients are those of `send_rows`, then `grouped_matmul.ops.swiglu_mlp`, then
-`send_rows` back.
+there, and copies the gradients back. The values and gradients are those of `send_rows`, then
+`grouped_matmul.ops.swiglu_mlp`, then `send_rows` back.
 """
 
 from __future__ import annotations
