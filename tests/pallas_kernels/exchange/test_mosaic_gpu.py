@@ -431,6 +431,16 @@ def test_gpu_dispatch_and_return_place_every_row(num_local, num_rows, window, ti
 # The dispatch overlapped with the first GEMMs (`dispatch_swiglu`).
 
 
+def round_tables(counts_se, round_index, num_local, num_rows, window, tile):
+    """This device's (dispatch moves, return moves, buffer group sizes) of a round, inside
+    shard_map over AXIS."""
+    me = jax.lax.axis_index(AXIS)
+    t = exchange.traffic(counts_se, num_local)
+    dispatch, back = xp.exchange_moves(t, me, round_index, num_rows, window, tile)
+    group_sizes, _ = xp.buffer_layout(t, me, round_index, window, tile)
+    return dispatch, back, group_sizes
+
+
 def dispatch_swiglu_fn(num_local, num_rows, window, tile, *, copy_programs: int,
                        copy_stages: int = 1):  # fmt: skip
     """(x [EP * N, D], scale [EP * N, 4], w_gate, w_up [EP * G, D, F], counts [EP, E], round [])
@@ -442,10 +452,8 @@ def dispatch_swiglu_fn(num_local, num_rows, window, tile, *, copy_programs: int,
     slots = xp.num_tiles(window, tile, num_local) * tile
 
     def body(x, side, w_gate, w_up, counts_se, round_index):
-        me = jax.lax.axis_index(AXIS)
-        t = exchange.traffic(counts_se, num_local)
-        dispatch, _ = xp.exchange_moves(t, me, round_index, num_rows, window, tile)
-        group_sizes, _ = xp.buffer_layout(t, me, round_index, window, tile)
+        dispatch, _, group_sizes = round_tables(counts_se, round_index, num_local, num_rows,
+                                                window, tile)  # fmt: skip
         if copy_programs:
             return mosaic_gpu.dispatch_swiglu(
                 x, side, dispatch, round_index, w_gate, w_up, group_sizes, out_rows=slots,
@@ -653,10 +661,8 @@ def dispatch_down_grad_fn(num_local, num_rows, window, tile, *, copy_programs: i
     slots = xp.num_tiles(window, tile, num_local) * tile
 
     def body(dy, dy_down, w_down, counts_se, round_index):
-        me = jax.lax.axis_index(AXIS)
-        t = exchange.traffic(counts_se, num_local)
-        dispatch, _ = xp.exchange_moves(t, me, round_index, num_rows, window, tile)
-        group_sizes, _ = xp.buffer_layout(t, me, round_index, window, tile)
+        dispatch, _, group_sizes = round_tables(counts_se, round_index, num_local, num_rows,
+                                                window, tile)  # fmt: skip
         if copy_programs:
             return mosaic_gpu.dispatch_down_grad(
                 dy, dy_down, dispatch, round_index, w_down, group_sizes, out_rows=slots,
@@ -771,10 +777,8 @@ def down_return_fn(num_local, num_rows, window, tile, *, copy_programs: int,
     slots = xp.num_tiles(window, tile, num_local) * tile
 
     def body(h, scale, w_down, counts_se, round_index):
-        me = jax.lax.axis_index(AXIS)
-        t = exchange.traffic(counts_se, num_local)
-        _, back = xp.exchange_moves(t, me, round_index, num_rows, window, tile)
-        group_sizes, _ = xp.buffer_layout(t, me, round_index, window, tile)
+        _, back, group_sizes = round_tables(counts_se, round_index, num_local, num_rows,
+                                            window, tile)  # fmt: skip
         if copy_programs:
             return mosaic_gpu.down_return(
                 h, scale, w_down, group_sizes, back, round_index, out_rows=num_rows,
@@ -954,10 +958,8 @@ def dgrad_return_fn(num_local, num_rows, window, tile, *, copy_programs: int):
     slots = xp.num_tiles(window, tile, num_local) * tile
 
     def body(d_gate_up, w_gate, w_up, counts_se, round_index):
-        me = jax.lax.axis_index(AXIS)
-        t = exchange.traffic(counts_se, num_local)
-        _, back = xp.exchange_moves(t, me, round_index, num_rows, window, tile)
-        group_sizes, _ = xp.buffer_layout(t, me, round_index, window, tile)
+        _, back, group_sizes = round_tables(counts_se, round_index, num_local, num_rows,
+                                            window, tile)  # fmt: skip
         if copy_programs:
             return mosaic_gpu.dgrad_return(
                 d_gate_up, w_gate, w_up, group_sizes, back, round_index, out_rows=num_rows,
