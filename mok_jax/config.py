@@ -165,8 +165,9 @@ class MoEConfig:
         own their experts, while the others run each GEMM tile as soon as its rows are in; and
         of the down projection's kernel, that send each piece of results back as soon as its
         rows are stored; and (with fused_recompute "gmm") of the backward's first GEMM's
-        kernel, that copy the results' cotangent to the buffers while the others run
-        g = dy @ w_down.T tile by tile. 0: these copies run as kernels of their own, on every
+        kernel, that copy the results' cotangent, the rows and their weights to the buffers
+        while the others run g = dy @ w_down.T tile by tile; and of the input gradient's
+        kernel, that send each piece of it back as soon as its rows are stored. 0: these copies run as kernels of their own, on every
         SM. y and dx do not depend on it. Default 24: on one H200, at qwen3_30b_a3b's round
         with an EP > 1 buffer, both kernels took 1.53 ms at 24, 1.66 at 16 and 1.71 as separate
         kernels (bench/results/2026-12-01_exchange_tail_h200_s13/); across GPUs, where the

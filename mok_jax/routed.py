@@ -57,10 +57,12 @@ class RoutedSpec:
       recompute: with "fused", how the backward recomputes gate and up (`ops.Recompute`).
       exchange_tile: with "fused", rows per tile of the receive buffer (`MoEConfig`).
       exchange_programs: with "fused", the programs of the first and last GEMMs' kernels that
-        run the dispatch's and the return's copies, and of the backward's first GEMM's kernel
-        that runs the cotangent's dispatch (0: each is a kernel of its own; `MoEConfig`).
-      recomputing: the backward's recomputed forward (set by `_rounds_bwd`), which needs the
-        buffer only: its dispatch runs as a kernel of its own.
+        run the dispatch's and the return's copies, and of the backward's first and last GEMMs'
+        kernels that run the backward's dispatch and the input gradient's return (0: each is a
+        kernel of its own; `MoEConfig`).
+      recomputing: the backward's re-run forward (set by `_rounds_bwd`), of which the
+        backward reads nothing (it dispatches the rows again itself, inside its first GEMM's
+        kernel): its kernels are the separate ones, for XLA to drop.
     """
 
     axis: str | None
@@ -178,8 +180,8 @@ def _fused_round(r, rows, weights, plan, spec: RoutedSpec) -> Array:
             tile=tile,
             axis_name=spec.axis,
             recompute=spec.recompute,
-            # The backward's recomputed forward dispatches in a kernel of its own; its
-            # cotangent's dispatch still runs inside the first backward GEMM's kernel.
+            # The backward's re-run forward (dead: the backward dispatches the rows itself)
+            # in separate kernels; the backward's own copies run inside its GEMMs' kernels.
             copy_programs=0 if spec.recomputing else spec.exchange_programs,
             grad_copy_programs=spec.exchange_programs,
             interpret=jax.default_backend() == "cpu",
@@ -287,9 +289,9 @@ def _rounds_fwd(rows, weights, t, rounds, spec):
 def _rounds_bwd(spec, residuals, g_nd):
     rows, weights, t, rounds = residuals
     if spec.kernel == "fused":
-        # The recomputed forward is needed for its buffer only: with the dispatch in a kernel
-        # of its own (the same bits) XLA drops the forward's GEMMs, which the overlapped
-        # kernel would run with it.
+        # The backward reads nothing of the re-run forward (`exchange.ops` dispatches the
+        # rows again inside its first GEMM's kernel): its kernels, the separate ones, are
+        # dead code for XLA to drop.
         spec = dataclasses.replace(spec, recomputing=True)
     round_fn, _, round_n = _plan_rounds(t, _num_rows(rows), spec)
 

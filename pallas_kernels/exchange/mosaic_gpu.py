@@ -20,10 +20,11 @@ separate kernels on one H200, session 13, bench/results/2026-12-01_exchange_tail
 yet run across GPUs). `dispatch_down_grad` runs the backward's dispatch (the results'
 cotangent) inside the kernel of its first GEMM, g = dy @ w_down.T, as `dispatch_swiglu` does
 (bitwise equal to the separate kernels on one H200, session 14,
-bench/results/2026-12-01_exchange_backward_h200_s14/); the backward's other copies (the
-recomputed dispatch, the gradients back) are still kernels of their own in the layer.
-`dgrad_return` (the input gradient's GEMM with the return of d_x, `down_return`'s kernel with
-another GEMM) lowers for CUDA; its GPU twin has not run, and the layer does not use it yet.
+bench/results/2026-12-01_exchange_backward_h200_s14/), and `dgrad_return` the input
+gradient's GEMM with the return of d_x (`down_return`'s kernel with another GEMM; bitwise equal
+to the separate kernels on one H200, session 15,
+bench/results/2026-12-01_exchange_backward_h200_s15/). The backward's other copies (the
+recomputed dispatch, the routing weights' gradient back) are kernels of their own.
 
 Invariants (send_rows; the overlapped dispatch's O1-O3 and down_return's R1-R3 are in their
 bodies):
@@ -89,15 +90,30 @@ def stage_rows(d_model: int, itemsize: int, *, budget: int = STAGE_BYTES) -> int
     return rows
 
 
-def _dispatch_boxes(d_model: int, itemsize: int, side: int, side_itemsize: int) -> tuple[int, int]:
-    """The stage rows of the overlapped dispatch's rows and side: each `stage_rows`' own while
-    both stages fit COPIER_BYTES (the routing weights' 16-byte column beside the rows), else
-    both of half of STAGE_BYTES (the cotangent's two forms, rows of one width)."""
-    boxes = (stage_rows(d_model, itemsize), stage_rows(side, side_itemsize))
-    if boxes[0] * d_model * itemsize + boxes[1] * side * side_itemsize > COPIER_BYTES:
-        half = STAGE_BYTES // 2
-        boxes = (stage_rows(d_model, itemsize, budget=half),
-                 stage_rows(side, side_itemsize, budget=half))  # fmt: skip
+def _stage_kinds(
+    arrays: tuple[Array, ...],
+) -> tuple[tuple[tuple[int, jnp.dtype], ...], tuple[int, ...]]:
+    """The overlapped dispatch's copier stages: one a kind of row (width, dtype) among the
+    arrays it copies, in order of first use, and each array's kind. Arrays of one kind share
+    a stage: a copier copies them one after the other, each waiting for its stores."""
+    kinds, kind_of = [], []
+    for a in arrays:
+        kind = (a.shape[1], jnp.dtype(a.dtype))
+        if kind not in kinds:
+            kinds.append(kind)
+        kind_of.append(kinds.index(kind))
+    return tuple(kinds), tuple(kind_of)
+
+
+def _dispatch_boxes(kinds: tuple[tuple[int, jnp.dtype], ...]) -> tuple[int, ...]:
+    """The stage rows of the overlapped dispatch's kinds of row (`_stage_kinds`): each
+    `stage_rows`' own while the stages fit COPIER_BYTES together (the rows and the routing
+    weights' 16-byte column), else each of an equal share of STAGE_BYTES."""
+    boxes = tuple(stage_rows(width, dtype.itemsize) for width, dtype in kinds)
+    stage_bytes = sum(b * w * d.itemsize for b, (w, d) in zip(boxes, kinds, strict=True))
+    if stage_bytes > COPIER_BYTES:
+        share = STAGE_BYTES // len(kinds)
+        boxes = tuple(stage_rows(width, dtype.itemsize, budget=share) for width, dtype in kinds)
     return boxes
 
 
@@ -221,9 +237,9 @@ def copy_piece_pipelined(
     loaded[first_barrier + s] for stage s), so that loads and stores overlap: the full boxes of
     B rows stream through the stages in turn, box i + S - 1 loading while box i waits for its
     load and stores; the rest (fewer than B rows) then moves by `copy_piece`, through stage 0.
-    Returns once the stores have completed. The kernels' `copy_stages` > 1 (not yet the
-    layer's): interpret-tested and lowered, to be timed on the GPU against `copy_piece` (one
-    box in flight a copier, ~10-13 GB/s in HBM).
+    Returns once the stores have completed. The kernels' `copy_stages` > 1 (not the layer's
+    default): bitwise on the H200; 15-20 % faster than `copy_piece` for `send_rows` alone on
+    all blocks, no faster at the layer's 24 copy programs (session 14).
 
     Each stage is reloaded only after the store that read it has read it (the previous box's:
     `wait_smem_to_gmem(0, wait_read_only=True)` before the load, the later box's store not yet
@@ -415,7 +431,8 @@ def send_rows(
     round_index int32 []. axis_name: the mesh axis of the peers (of size 1, the copies are
     local). num_blocks: the kernel's blocks (default: one a streaming multiprocessor).
     copy_stages: 1 (`copy_piece`), or 2 or 4 (`copy_piece_pipelined` through that many
-    stages of the same shared memory; not yet timed).
+    stages of the same shared memory; timed in session 14: faster alone on all blocks, not
+    at the layer's 24 copy programs).
     """
     moves.check()
     _check_copy_stages(copy_stages)
@@ -467,15 +484,16 @@ def _like(out: Array, operand: Array) -> Array:
 def _dispatch_gemm_kernel(
     schedule_ref,
     src_ref,
-    side_ref,
-    tables_ref,
     *refs,
     gemm: gmm_kernel.ProgramsGemm,
     packed: _Packed,
     config,
     gemm_programs: int,
     copy_programs: int,
-    boxes: tuple[int, int],
+    num_sides: int,
+    kinds: tuple[tuple[int, jnp.dtype], ...],
+    kind_of: tuple[int, ...],
+    boxes: tuple[int, ...],
     tile: int,
     num_counters: int,
     num_zeros: int,
@@ -483,12 +501,16 @@ def _dispatch_gemm_kernel(
     local: bool,
     copy_stages: int,
 ):
+    # The sides, the tables, the GEMM's weights, then the outputs: the buffer, the sides'
+    # rows, the GEMM's.
+    side_refs, (tables_ref, *refs) = refs[:num_sides], refs[num_sides:]
+    weight_refs, (buffer_ref, *refs) = refs[: -2 - num_sides], refs[-2 - num_sides :]
+    side_out_refs, gemm_out_ref = refs[:num_sides], refs[num_sides]
     (src_p_ref, dst_p_ref, size_p_ref, peer_p_ref, round_p_ref, counter_p_ref, count_ref,
      wait_ref, zero_dst_ref, zero_size_ref, zero_first_ref, zero_end_ref,
      round_ref) = packed.views(tables_ref, *_MOVES[:10], "zero_first_z", "zero_end_z",
                                "round")  # fmt: skip
-    # The GEMM's weights, then the outputs: the buffer, the side's rows, the GEMM's.
-    *weight_refs, buffer_ref, side_out_ref, gemm_out_ref = refs
+    srcs, dsts = (src_ref, *side_refs), (buffer_ref, *side_out_refs)
     program = lax.axis_index("sm")
     # O1. One counter a buffer tile, for the whole kernel and every device (as in send_rows):
     #     the copies into the tile and the zero ranges in it count there.
@@ -532,13 +554,14 @@ def _dispatch_gemm_kernel(
 
     @pl.when(program < copy_programs)
     def _copy():
-        def copy_scope(stages, side_stages, loaded):
+        def copy_scope(*scoped):
+            *kind_stages, loaded = scoped
             wg = lax.axis_index("wg")
             copier = program * num_wg + wg
-            # The rows and the side (their routing weights, or the cotangent times them)
-            # through stages of their own, on the same barriers (one copy after the other).
-            stage = _copier(stages, loaded, wg, copy_stages)
-            side_stage = _copier(side_stages, loaded, wg, copy_stages)
+            # The rows and the sides (their routing weights, the cotangent times them, ...)
+            # through a stage a kind of row, on the same barriers (one copy after the other,
+            # each waiting for its stores, so arrays of one kind share their stage).
+            stages = [_copier(smem, loaded, wg, copy_stages) for smem in kind_stages]
             round_index = round_ref[0]
 
             def zeros(signalled: bool):
@@ -546,7 +569,7 @@ def _dispatch_gemm_kernel(
 
                 @pl.when(copier < num_zeros)
                 def _zeros():
-                    zeros_smem, side_zeros_smem = stage.zeros(), side_stage.zeros()
+                    zeros_smems = [stage.zeros() for stage in stages]
                     plgpu.commit_smem()
 
                     @pl.loop(copier, num_zeros, step=copiers)
@@ -556,8 +579,8 @@ def _dispatch_gemm_kernel(
 
                         @pl.when((end > first) == signalled)
                         def _range():
-                            zero_rows(buffer_ref, dst, size, zeros_smem)
-                            zero_rows(side_out_ref, dst, size, side_zeros_smem)
+                            for out_ref, kind in zip(dsts, kind_of, strict=True):
+                                zero_rows(out_ref, dst, size, zeros_smems[kind])
 
                             # The range's tiles that a GEMM tile reads for its stored rows.
                             @pl.loop(first, end)
@@ -571,11 +594,10 @@ def _dispatch_gemm_kernel(
                 @pl.when(round_p_ref[p] == round_index)
                 def _send():
                     peer = {axis_name: peer_p_ref[p]}
-                    dst = buffer_ref if local else plgpu.remote_ref(buffer_ref, peer)
-                    side_dst = side_out_ref if local else plgpu.remote_ref(side_out_ref, peer)
                     rows = (src_p_ref[p], dst_p_ref[p], size_p_ref[p])
-                    stage.copy(src_ref, dst, *rows)
-                    side_stage.copy(side_ref, side_dst, *rows)
+                    for src, dst, kind in zip(srcs, dsts, kind_of, strict=True):
+                        dst = dst if local else plgpu.remote_ref(dst, peer)
+                        stages[kind].copy(src, dst, *rows)
                     sem = counters.at[counter_p_ref[p]]
                     if local:
                         pl.semaphore_signal(sem)
@@ -588,11 +610,11 @@ def _dispatch_gemm_kernel(
 
         pl.run_scoped(
             copy_scope,
-            _stage_smem((num_wg,), boxes[0], src_ref.shape[1], src_ref.dtype, copy_stages),
-            _stage_smem((num_wg,), boxes[1], side_ref.shape[1], side_ref.dtype, copy_stages),
+            *(_stage_smem((num_wg,), box, width, dtype, copy_stages)
+              for box, (width, dtype) in zip(boxes, kinds, strict=True)),
             plgpu.Barrier(num_arrivals=1, num_barriers=num_wg * copy_stages),
             collective_axes="wg",
-        )
+        )  # fmt: skip
 
 
 def _zero_signals(moves: Moves, groups_end: Array, tile: int, num_counters: int):
@@ -640,16 +662,17 @@ def dispatch_swiglu(
     and h is `gmm_swiglu(buffer, w_gate, w_up, group_sizes_g)`, bit for bit; rows no copy or
     zero range fills are unspecified (h's past the groups are zeros). Call inside
     `jax.shard_map` over `axis_name`."""
-    return _dispatch_gemm(
-        "swiglu", src_ad, side_ac, moves, round_index, (w_gate_gdf, w_up_gdf), ("w_gate", "w_up"),
-        group_sizes_g, out_rows=out_rows, tile=tile, axis_name=axis_name,
+    buffer, (side,), h = _dispatch_gemm(
+        "swiglu", src_ad, (side_ac,), moves, round_index, (w_gate_gdf, w_up_gdf),
+        ("w_gate", "w_up"), group_sizes_g, out_rows=out_rows, tile=tile, axis_name=axis_name,
         copy_programs=copy_programs, copy_stages=copy_stages,
     )  # fmt: skip
+    return buffer, side, h
 
 
 def dispatch_down_grad(
     dy_ad: Array,
-    side_ac: Array,
+    sides: tuple[Array, ...],
     moves: Moves,
     round_index: Array,
     w_down_gfd: Array,
@@ -660,19 +683,21 @@ def dispatch_down_grad(
     axis_name: str,
     copy_programs: int = 24,
     copy_stages: int = 1,
-) -> tuple[Array, Array, Array]:
-    """The backward's dispatch of round `round_index` (the results' cotangent to the buffers)
-    and its first expert GEMM in one kernel, overlapped: -> (dy [out_rows, D], side [out_rows,
-    C], g f32 [out_rows, F]).
+) -> tuple[Array, tuple[Array, ...], Array]:
+    """The backward's dispatch of round `round_index` (the results' cotangent to the buffers,
+    and whatever else the backward needs there) and its first expert GEMM in one kernel,
+    overlapped: -> (dy [out_rows, D], the sides' rows (each [out_rows, C]), g f32 [out_rows,
+    F]).
 
     As `dispatch_swiglu`, with the GEMM g = dy @ w_down[g].T in f32 (`gmm(dy, w_down,
     group_sizes_g, transpose_rhs=True, out_dtype=f32)`, bit for bit): copy programs move the
     rows of dy [A, D] (bf16: the cotangent as the GEMMs read it) and, with the same tables,
-    side [A, C] (the cotangent times the routing weight, bf16 [A, D], which d_w_down reads),
-    and each GEMM tile starts once the dy rows it stores are in. Call inside `jax.shard_map`
-    over `axis_name`."""
+    of each side [A, C] (a row a multiple of 16 bytes: the layer's are the cotangent times
+    the routing weight, bf16 [A, D], which d_w_down reads, and the forward's rows and their
+    weights, which the backward recomputes from), and each GEMM tile starts once the rows it
+    stores are in. Call inside `jax.shard_map` over `axis_name`."""
     return _dispatch_gemm(
-        "transposed", dy_ad, side_ac, moves, round_index, (w_down_gfd,), ("w_down",),
+        "transposed", dy_ad, tuple(sides), moves, round_index, (w_down_gfd,), ("w_down",),
         group_sizes_g, out_rows=out_rows, tile=tile, axis_name=axis_name,
         copy_programs=copy_programs, copy_stages=copy_stages,
     )  # fmt: skip
@@ -681,7 +706,7 @@ def dispatch_down_grad(
 def _dispatch_gemm(
     gemm: gmm_kernel.ProgramsGemm,
     src_ad: Array,
-    side_ac: Array,
+    sides: tuple[Array, ...],
     moves: Moves,
     round_index: Array,
     weights: tuple[Array, ...],
@@ -693,9 +718,10 @@ def _dispatch_gemm(
     axis_name: str,
     copy_programs: int,
     copy_stages: int,
-) -> tuple[Array, Array, Array]:
-    """`dispatch_swiglu` and `dispatch_down_grad`: the dispatch and `gemm` on the buffer in one
-    kernel (O1-O3). The weights are [G, D, N] ("swiglu") or [G, N, D] ("transposed")."""
+) -> tuple[Array, tuple[Array, ...], Array]:
+    """`dispatch_swiglu` and `dispatch_down_grad`: the dispatch (of src and its sides) and
+    `gemm` on the buffer in one kernel (O1-O3). The weights are [G, D, N] ("swiglu") or
+    [G, N, D] ("transposed")."""
     moves.check()
     _check_copy_stages(copy_stages)
     gmm_kernel._check_inputs(src_ad, weights, group_sizes_g, weight_names)
@@ -706,8 +732,9 @@ def _dispatch_gemm(
         raise ValueError(
             f"the rows' D={d_model} must equal {weight_names[0]}'s (shape {weights[0].shape})"
         )
-    if side_ac.ndim != 2 or side_ac.shape[0] != num_src:
-        raise ValueError(f"side rows {side_ac.shape} must match src rows {src_ad.shape}")
+    for side in sides:
+        if side.ndim != 2 or side.shape[0] != num_src:
+            raise ValueError(f"side rows {side.shape} must match src rows {src_ad.shape}")
     num_counters = moves.arrivals_c.shape[0]
     if num_counters * tile != out_rows:
         raise ValueError(f"{num_counters} counters of {tile} rows must cover out_rows={out_rows}")
@@ -728,7 +755,8 @@ def _dispatch_gemm(
     # taller than the buffer: the kernel's buffer has at least block_m rows, a multiple of 8
     # (rows past out_rows: neither filled nor stored, sliced off).
     kernel_rows = max(pl.cdiv(out_rows, 8) * 8, config.block_m)
-    boxes = _dispatch_boxes(d_model, itemsize, side_ac.shape[1], jnp.dtype(side_ac.dtype).itemsize)
+    kinds, kind_of = _stage_kinds((src_ad, *sides))
+    boxes = _dispatch_boxes(kinds)
     groups_end = jnp.sum(group_sizes_g, dtype=jnp.int32)
     zero_first_z, zero_end_z, wait_c = _zero_signals(moves, groups_end, tile, num_counters)
     schedule_t4 = gmm_kernel.schedule_table(group_sizes_g, num_rows=out_rows, tile_m=config.block_m)
@@ -742,6 +770,9 @@ def _dispatch_gemm(
         config=config,
         gemm_programs=programs - copy_programs,
         copy_programs=copy_programs,
+        num_sides=len(sides),
+        kinds=kinds,
+        kind_of=kind_of,
         boxes=boxes,
         tile=tile,
         num_counters=num_counters,
@@ -752,7 +783,7 @@ def _dispatch_gemm(
     )
     out_types = (
         jax.ShapeDtypeStruct((kernel_rows, d_model), src_ad.dtype),
-        jax.ShapeDtypeStruct((kernel_rows, side_ac.shape[1]), side_ac.dtype),
+        *(jax.ShapeDtypeStruct((kernel_rows, side.shape[1]), side.dtype) for side in sides),
         jax.ShapeDtypeStruct((kernel_rows, n), out_dtype),
     )
     outs = plgpu.kernel(
@@ -763,10 +794,11 @@ def _dispatch_gemm(
         num_threads=config.num_consumers + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )(schedule_t4, src_ad, side_ac, tables, *weights)
+    )(schedule_t4, src_ad, *sides, tables, *weights)
     outs = tuple(out[:out_rows] if kernel_rows != out_rows else out for out in outs)
-    buffer, side, out = outs
-    return _like(buffer, src_ad), _like(side, side_ac), _like(out, src_ad)
+    buffer, *sides_out, out = outs
+    sides_out = tuple(_like(a, side) for a, side in zip(sides_out, sides, strict=True))
+    return _like(buffer, src_ad), sides_out, _like(out, src_ad)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -952,8 +984,7 @@ def dgrad_return(
     groups `group_sizes_g` (`gmm(d_gate_up, (w_gate, w_up), group_sizes, transpose_rhs=True)`,
     bit for bit) from d_gate_up [S, 2F] and w_gate, w_up [G, D, F]; the copy programs send
     each piece of it back along `back` as `send_rows(d_buffer, back, ...)` does, as soon as
-    the row tiles storing its rows have completed (as `down_return`). Not yet in the layer:
-    its GPU twin has not run (session 14 had no device time left)."""
+    the row tiles storing its rows have completed (as `down_return`)."""
     if (
         d_gate_up_s2f.ndim != 2
         or w_gate_gdf.ndim != 3

@@ -8,11 +8,13 @@ the reverse is a copy too.
 `dispatch_mlp(x, scale, moves, back, round, w_gate, w_up, w_down, group_sizes, ...)` is a
 round's exchange and expert MLP as one differentiable op: its forward runs the dispatch inside
 the gate/up GEMMs' kernel (`mosaic_gpu.dispatch_swiglu`) and the return inside the down
-projection's (`mosaic_gpu.down_return`); its backward copies the results' cotangent to the
-buffers (with recompute "gmm", inside the kernel of the first backward GEMM:
-`mosaic_gpu.dispatch_down_grad`), runs the rest of `grouped_matmul.ops.swiglu_mlp_grads`
-there, and copies the gradients back. The values and gradients are those of `send_rows`, then
-`grouped_matmul.ops.swiglu_mlp`, then `send_rows` back.
+projection's (`mosaic_gpu.down_return`). It saves the rows, not the buffer: its backward
+dispatches them again, with their weights and the results' cotangent (with recompute "gmm",
+all inside the kernel of the first backward GEMM: `mosaic_gpu.dispatch_down_grad`), runs the
+rest of `grouped_matmul.ops.swiglu_mlp_grads` there, and returns the input gradient inside
+its GEMM's kernel (`mosaic_gpu.dgrad_return`) and the weights' gradient by a copy of its own.
+The values and gradients are those of
+`send_rows`, then `grouped_matmul.ops.swiglu_mlp`, then `send_rows` back.
 """
 
 from __future__ import annotations
@@ -188,46 +190,51 @@ def _dispatch_mlp(static, x_nd, scale_n, moves, back, round_index, w_gate, w_up,
 
 def _dispatch_mlp_fwd(static, x_nd, scale_n, moves, back, round_index, w_gate, w_up, w_down,
                       group_sizes):  # fmt: skip
-    buffer, scale_s, h = _dispatch_gate_up(
+    _, scale_s, h = _dispatch_gate_up(
         static, x_nd, scale_n, moves, round_index, w_gate, w_up, group_sizes
     )
-    num_rows = x_nd.shape[0]
-    out = _down_return(static, h, scale_s, w_down, group_sizes, back, round_index, num_rows)
-    residuals = (buffer, scale_n, scale_s, w_gate, w_up, w_down, group_sizes, moves, back,
-                 round_index, num_rows)  # fmt: skip
+    out = _down_return(static, h, scale_s, w_down, group_sizes, back, round_index, x_nd.shape[0])
+    # The rows, not the buffer: the backward dispatches them again, with the cotangent.
+    residuals = (x_nd, scale_n, w_gate, w_up, w_down, group_sizes, moves, back, round_index)
     return out, residuals
 
 
-def _grads_at_buffers(static: _MlpStatic, d_out, scale_n, residuals):
-    """`swiglu_mlp_grads` on the buffers for the round's results' cotangent d_out [N, D]: the
-    return's gradient is each slot's cotangent from its row, copied along the dispatch (zeros
-    in the slots no row fills: its zero ranges). With grad_copy_programs > 0 (recompute
-    "gmm") the copies run inside the first backward GEMM's kernel
-    (`mosaic_gpu.dispatch_down_grad`): d_out leaves as the GEMMs read it, rounded, and times
-    its row's weight, rounded (the same bytes as f32, and the bits the GEMMs would compute
-    from the f32 copy at the slot, whose weight is the row's). With `interpret` (the CPU) the
-    same path runs as the kernel's spec."""
-    buffer, scale_s, w_gate, w_up, w_down, group_sizes, moves, round_index = residuals
+def _grads_at_buffers(static: _MlpStatic, d_out, residuals):
+    """`swiglu_mlp_grads(..., input_grad=False)` on the buffers for the round's results'
+    cotangent d_out [N, D] ([d_gate | d_up] first, for `_dgrad_return`): the dispatch again,
+    of the rows x and their weights (the GEMMs' operands, recomputed) and of d_out (the
+    return's gradient: each slot's cotangent from its row; zeros in the slots no row fills,
+    the dispatch's zero ranges).
+
+    With grad_copy_programs > 0 (recompute "gmm") the four travel inside the first backward
+    GEMM's kernel (`mosaic_gpu.dispatch_down_grad`): d_out as the GEMMs read it, rounded, and
+    times its row's weight, rounded (the same bytes as f32, and the bits the GEMMs would
+    compute from the f32 copy at the slot, whose weight is the row's), x and the weights as
+    the forward's dispatch sends them. With `interpret` (the CPU) the same path runs as the
+    kernel's spec. Otherwise each is a copy of its own (`send_rows`)."""
+    x_nd, scale_n, w_gate, w_up, w_down, group_sizes, moves, round_index = residuals
+    send = functools.partial(
+        _send, out_rows=static.out_rows, axis_name=static.axis_name, implementation="auto"
+    )
+    scale_n4 = _column4(scale_n)
     if static.grad_copy_programs and static.recompute == "gmm":
-        dy_c = d_out.astype(buffer.dtype)
+        dy_c = d_out.astype(x_nd.dtype)
         dy_down = (d_out.astype(jnp.float32) * scale_n.astype(jnp.float32)[:, None]).astype(
-            buffer.dtype
+            x_nd.dtype
         )
         if static.interpret:
             # The CPU: the kernel's spec, the copies by `send_rows` (its reference there) and the
             # GEMM in interpret mode, so the CPU tests hold this path's bits too.
-            send = functools.partial(
-                _send, out_rows=static.out_rows, axis_name=static.axis_name, implementation="auto"
+            dy_s, dy_down_s, buffer, scale_s4 = (
+                send(a, moves, round_index) for a in (dy_c, dy_down, x_nd, scale_n4)
             )
-            dy_s = send(dy_c, moves, round_index)
-            dy_down_s = send(dy_down, moves, round_index)
             g = grouped_kernel.gmm(dy_s, w_down, group_sizes, transpose_rhs=True,
                                    out_dtype=jnp.float32, interpret=True)  # fmt: skip
             g = grouped_ops.like(g, dy_s)
         else:
-            _, dy_down_s, g = mosaic_gpu.dispatch_down_grad(
+            _, (dy_down_s, buffer, scale_s4), g = mosaic_gpu.dispatch_down_grad(
                 dy_c,
-                dy_down,
+                (dy_down, x_nd, scale_n4),
                 moves,
                 round_index,
                 w_down,
@@ -238,38 +245,63 @@ def _grads_at_buffers(static: _MlpStatic, d_out, scale_n, residuals):
                 copy_programs=static.grad_copy_programs,
             )
         return grouped_ops.swiglu_mlp_grads_from_g(
-            buffer, w_gate, w_up, w_down, group_sizes, scale_s, g, dy_down_s,
-            interpret=static.interpret,
+            buffer, w_gate, w_up, w_down, group_sizes, scale_s4[:, 0], g, dy_down_s,
+            input_grad=False, interpret=static.interpret,
         )  # fmt: skip
-    dy = _send(d_out, moves, round_index, static.out_rows, static.axis_name, "auto")
+    buffer, scale_s4, dy = (send(a, moves, round_index) for a in (x_nd, scale_n4, d_out))
     return grouped_ops.swiglu_mlp_grads(
         buffer,
         w_gate,
         w_up,
         w_down,
         group_sizes,
-        scale_s,
+        scale_s4[:, 0],
         dy,
         recompute=static.recompute,
+        input_grad=False,
         interpret=static.interpret,
     )
 
 
+def _dgrad_return(static: _MlpStatic, d_gate_up, w_gate, w_up, group_sizes, back, round_index,
+                  num_rows: int):  # fmt: skip
+    """The round's rows' input gradient at their sources [N, D] (rows of other rounds
+    unspecified): d_buffer = `swiglu_input_grad(d_gate_up, ...)`, then its return along
+    `back`; by the overlapped kernel (grad_copy_programs > 0: `mosaic_gpu.dgrad_return`), by
+    the gmm then the exchange kernel (0), or with `interpret` by the gmm in interpret mode then
+    `send_rows` (its spec on the CPU)."""
+    if static.grad_copy_programs and not static.interpret:
+        _, d_x = mosaic_gpu.dgrad_return(
+            d_gate_up,
+            w_gate,
+            w_up,
+            group_sizes,
+            back,
+            round_index,
+            out_rows=num_rows,
+            axis_name=static.axis_name,
+            copy_programs=static.grad_copy_programs,
+        )
+        return d_x
+    d_buffer = grouped_ops.swiglu_input_grad(
+        d_gate_up, w_gate, w_up, group_sizes, interpret=static.interpret
+    )
+    return _send(d_buffer, back, round_index, num_rows, static.axis_name, "auto")
+
+
 def _dispatch_mlp_bwd(static, residuals, d_out):
-    (buffer, scale_n, scale_s, w_gate, w_up, w_down, group_sizes, moves, back, round_index,
-     num_rows) = residuals  # fmt: skip
-    d_buffer, d_w_gate, d_w_up, d_w_down, _, d_scale_s = _grads_at_buffers(
+    x_nd, scale_n, w_gate, w_up, w_down, group_sizes, moves, back, round_index = residuals
+    num_rows = x_nd.shape[0]
+    d_gate_up, d_w_gate, d_w_up, d_w_down, _, d_scale_s = _grads_at_buffers(
         static,
         d_out,
-        scale_n,
-        (buffer, scale_s, w_gate, w_up, w_down, group_sizes, moves, round_index),
+        (x_nd, scale_n, w_gate, w_up, w_down, group_sizes, moves, round_index),
     )
     # The copies back: each row's gradient from the slot it was copied to.
-    send_back = functools.partial(
-        _send, out_rows=num_rows, axis_name=static.axis_name, implementation="auto"
-    )
-    d_x = send_back(d_buffer, back, round_index)
-    d_scale = send_back(_column4(d_scale_s), back, round_index)[:, 0]
+    d_x = _dgrad_return(static, d_gate_up, w_gate, w_up, group_sizes, back, round_index,
+                        num_rows)  # fmt: skip
+    d_scale = _send(_column4(d_scale_s), back, round_index, num_rows, static.axis_name, "auto")
+    d_scale = d_scale[:, 0]
     return d_x, d_scale, None, None, None, d_w_gate, d_w_up, d_w_down, None
 
 
@@ -312,11 +344,14 @@ def dispatch_mlp(
     are `send_rows` (there its spec, reference.py) and the GEMMs run in Mosaic GPU's interpret
     mode.
 
-    grad_copy_programs (None: copy_programs) does the same for the backward: with recompute
-    "gmm" and grad_copy_programs > 0 the results' cotangent travels to the buffers inside the
-    kernel of the first backward GEMM that reads it (`mosaic_gpu.dispatch_down_grad`); with 0,
-    or recompute "kernel" (whose first GEMM also recomputes gate and up), in a kernel of its
-    own. The copies back of the gradients are kernels of their own."""
+    grad_copy_programs (None: copy_programs) does the same for the backward, which saves x,
+    not the buffer, and dispatches it again: with recompute "gmm" and grad_copy_programs > 0
+    the rows, their weights and the results' cotangent travel to the buffers inside the
+    kernel of the first backward GEMM (`mosaic_gpu.dispatch_down_grad`); with 0, or
+    recompute "kernel" (whose first GEMM also recomputes gate and up), in kernels of their
+    own. With grad_copy_programs > 0 the rows' gradient returns to them inside the kernel of
+    the GEMM that computes it (`mosaic_gpu.dgrad_return`, either recompute); the routing
+    weights' gradient returns in a kernel of its own."""
     grad_copy_programs = copy_programs if grad_copy_programs is None else grad_copy_programs
     if copy_programs < 0 or grad_copy_programs < 0:
         raise ValueError(f"copy_programs={copy_programs} and grad_copy_programs="

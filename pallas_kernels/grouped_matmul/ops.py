@@ -28,6 +28,8 @@
               each recomputed). With `saved` (h, gate, up of the forward) g is one gmm and the
               rest as gmm_swiglu's backward: 6 passes. `swiglu_mlp_grads_from_g` takes g and
               s * dy formed elsewhere (the exchange's kernel, which forms g as dy arrives).
+              With input_grad=False both hand back [d_gate | d_up] instead of d_lhs, whose
+              GEMM (`swiglu_input_grad`) the exchange runs in the kernel that returns d_lhs.
 Cotangents are cast to the compute dtype (lhs's) before they enter a kernel; weight gradients
 come out in the weights' dtype, input gradients in lhs's, d_s in f32. group_sizes gets no
 gradient. Every kernel call uses the defaults table's tiles (`tuning.py`).
@@ -68,6 +70,7 @@ class _Static:
     out_dtype: jnp.dtype | None = None
     interpret: bool = False
     recompute: Recompute = "gmm"
+    input_grad: bool = True  # the swiglu MLP's backward computes d_lhs (else [d_gate | d_up])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -234,13 +237,34 @@ def _swiglu_input_grads(static, residuals, gate, up, dh):
     return (*_gate_up_grads(static, residuals, d_gate_up), None)
 
 
+def swiglu_input_grad(
+    d_gate_up_m2f: Array,
+    w_gate_gkf: Array,
+    w_up_gkf: Array,
+    group_sizes_g: Array,
+    *,
+    interpret: bool = False,
+) -> Array:
+    """The expert MLP's input gradient from [d_gate | d_up] ([M, 2F]) -> [M, K] in its dtype:
+    [d_gate | d_up] @ [w_gate | w_up][g].T, one transposed gmm over K = 2F with the weights
+    read as two parts along K (no concatenated copy of them). `swiglu_mlp_grads(...,
+    input_grad=False)` leaves this GEMM to its caller, which runs it here or in a kernel of
+    its own (`exchange.mosaic_gpu.dgrad_return`, the same bits)."""
+    return like(
+        mosaic_gpu.gmm(d_gate_up_m2f, (w_gate_gkf, w_up_gkf), group_sizes_g, transpose_rhs=True,
+                       interpret=interpret),
+        d_gate_up_m2f,
+    )  # fmt: skip
+
+
 def _gate_up_grads(static, residuals, d_gate_up):
-    """(d_lhs, d_w_gate, d_w_up) from [d_gate | d_up] ([M, 2F], lhs dtype)."""
+    """(d_lhs, d_w_gate, d_w_up) from [d_gate | d_up] ([M, 2F], lhs dtype); d_gate_up itself
+    in place of d_lhs without static.input_grad."""
     lhs, w_gate, w_up, group_sizes = residuals
-    # One transposed gmm over K = 2F: d_lhs = [d_gate | d_up] @ [w_gate | w_up][g].T, the
-    # weights read as two parts along K (no concatenated copy of them).
-    d_lhs = mosaic_gpu.gmm(
-        d_gate_up, (w_gate, w_up), group_sizes, transpose_rhs=True, interpret=static.interpret
+    d_lhs = (
+        swiglu_input_grad(d_gate_up, w_gate, w_up, group_sizes, interpret=static.interpret)
+        if static.input_grad
+        else d_gate_up
     )
     # ONE tgmm for [d_w_gate | d_w_up], stored as two arrays (no slicing copies).
     d_w_gate, d_w_up = tgmm(
@@ -303,6 +327,7 @@ def swiglu_mlp_grads(
     *,
     saved: tuple[Array, Array, Array] | None = None,
     recompute: Recompute = "gmm",
+    input_grad: bool = True,
     interpret: bool = False,
 ) -> tuple[Array, Array, Array, Array, None, Array | None]:
     """The gradients of `swiglu_mlp` for its output's cotangent dy (f32 [M, N]): (d_lhs,
@@ -311,10 +336,12 @@ def swiglu_mlp_grads(
     rounded dy). Public for `fused` layers whose forward reads lhs rows another way (gathered
     in-kernel). Outside shard_map, or with operands that already vary over the same mesh axes
     (`swiglu_mlp` aligns them; this function does not). Without `saved`, gate and up are
-    recomputed as `recompute` says (`Recompute`)."""
+    recomputed as `recompute` says (`Recompute`). Without `input_grad` the first output is
+    [d_gate | d_up] ([M, 2F], lhs dtype) instead of d_lhs: its caller runs d_lhs's GEMM
+    (`swiglu_input_grad`), e.g. in the kernel that also returns it to the rows' sources."""
     if recompute not in RECOMPUTES:
         raise ValueError(f"recompute={recompute!r} must be one of {RECOMPUTES}")
-    static = _Static(interpret=interpret)
+    static = _Static(interpret=interpret, input_grad=input_grad)
     dy_c = dy.astype(lhs.dtype)
     scale = None if row_scale is None else row_scale.astype(jnp.float32)[:, None]
     # dy times the row scale, for d_w_down.
@@ -385,6 +412,7 @@ def swiglu_mlp_grads_from_g(
     g: Array,
     dy_down: Array,
     *,
+    input_grad: bool = True,
     interpret: bool = False,
 ) -> tuple[Array, Array, Array, Array, None, Array | None]:
     """`swiglu_mlp_grads(..., dy, recompute="gmm")` from its first backward GEMM's result
@@ -392,8 +420,8 @@ def swiglu_mlp_grads_from_g(
     out_dtype=f32) ([M, F]) and dy_down = (dy * row_scale[:, None]).astype(lhs.dtype) ([M,
     N]; dy.astype(lhs.dtype) without a row scale), computed elsewhere (in the exchange's
     kernel, pallas_kernels/exchange, which sends dy in these two forms). The same outputs, bit
-    for bit; gate and up are recomputed."""
-    static = _Static(interpret=interpret)
+    for bit; gate and up are recomputed. `input_grad` as in `swiglu_mlp_grads`."""
+    static = _Static(interpret=interpret, input_grad=input_grad)
     scale = None if row_scale is None else row_scale.astype(jnp.float32)[:, None]
     saved = _recomputed(static, lhs, w_gate, w_up, group_sizes)
     return _grads_from_g(static, lhs, w_gate, w_up, w_down, group_sizes, scale, saved, g, dy_down)

@@ -48,11 +48,18 @@ OVERLAPPED_RETURN = re.compile(
     r"custom_call @mosaic_gpu.*-> \(tensor<\d+x(\d+)xf32>, tensor<\d+x\1xf32>"
 )
 
-# dispatch_down_grad's custom call (the backward's): the cotangent as bf16 twice [S, D] (rounded,
-# and times the weights) and g [S, F] f32.
+# dispatch_down_grad's custom call (the backward's dispatch): the cotangent as bf16 twice [S, D]
+# (rounded, and times the weights), the rows x [S, D] and their weights [S, 4] f32 again, and
+# g [S, F] f32.
 OVERLAPPED_COTANGENT = re.compile(
     r"custom_call @mosaic_gpu.*-> \(tensor<(\d+)x(\d+)xbf16>, tensor<\1x\2xbf16>, "
-    r"tensor<\1x\d+xf32>"
+    r"tensor<\1x\2xbf16>, tensor<\1x4xf32>, tensor<\1x\d+xf32>"
+)
+
+# dgrad_return's custom call (the backward's way back): the input gradient d_buffer [S, D] bf16
+# and the rows' gradient at their sources [N, D] bf16 (then the kernel's counters).
+OVERLAPPED_INPUT_GRAD = re.compile(
+    r"custom_call @mosaic_gpu.*-> \(tensor<\d+x(\d+)xbf16>, tensor<\d+x\1xbf16>, tensor<\d+xi32>"
 )
 
 # Small enough for interpret mode: 8 experts, top-2, 8-row tiles (D = F = 64); a window of a
@@ -126,20 +133,27 @@ def test_lowered_for_cuda_on_8_devices(layout):
     text = lowered_with_kernels(x, params, cotangent, cfg, mesh)
     assert "sdy.manual_computation" in text
     # A round's forward: the dispatch overlapped with gate/up (one kernel), the down
-    # projection overlapped with the return (one kernel); its backward the forward again (the
-    # dispatch of rows and weights as kernels of their own), the cotangent's dispatch
-    # overlapped with g = dy @ w_down.T (one kernel), the gradients' 2 copies back and the
-    # GEMM gradients.
+    # projection overlapped with the return (one kernel); its backward the forward again
+    # (separate kernels, dead code: RoutedSpec.recomputing), the dispatch of the cotangent,
+    # the rows and their weights overlapped with g = dy @ w_down.T (one kernel), the GEMM
+    # gradients, the input gradient's GEMM overlapped with its return (one kernel) and the
+    # routing weights' gradient's copy.
     assert len(MOSAIC_GPU_CALL.findall(text)) >= 12
     # The overlapped dispatch: one kernel returns the buffer, its weights and h.
     assert OVERLAPPED_DISPATCH.search(text), "no kernel of dispatch and gate/up"
     assert OVERLAPPED_RETURN.search(text), "no kernel of the down projection and the return"
     assert OVERLAPPED_COTANGENT.search(text), "no kernel of the cotangent's dispatch and g"
-    # Two of each, round 0's and the rounds loop's: the backward's recomputed forward
-    # dispatches in kernels of their own (RoutedSpec.recomputing; else 4 dispatch kernels).
-    kernels = [len(k.findall(text)) for k in (OVERLAPPED_DISPATCH, OVERLAPPED_RETURN,
-                                              OVERLAPPED_COTANGENT)]  # fmt: skip
-    assert kernels == [2, 2, 2], kernels
+    assert OVERLAPPED_INPUT_GRAD.search(text), "no kernel of the input gradient and its return"
+    # Two of each, round 0's and the rounds loop's: the backward's re-run forward runs the
+    # separate kernels (RoutedSpec.recomputing; else 4 of the forward's).
+    overlapped = (
+        OVERLAPPED_DISPATCH,
+        OVERLAPPED_RETURN,
+        OVERLAPPED_COTANGENT,
+        OVERLAPPED_INPUT_GRAD,
+    )
+    kernels = [len(k.findall(text)) for k in overlapped]
+    assert kernels == [2, 2, 2, 2], kernels
     assert "uses_xla_collective_metadata = true" in text
     for collective in ("ragged_all_to_all", "all_to_all", "collective_permute"):
         assert not re.search(rf"stablehlo\.{collective}\b", text), collective
@@ -151,12 +165,15 @@ def test_lowered_for_cuda_on_8_devices(layout):
         assert not OVERLAPPED_DISPATCH.search(text)
         assert not OVERLAPPED_RETURN.search(text)
         assert not OVERLAPPED_COTANGENT.search(text)
+        assert not OVERLAPPED_INPUT_GRAD.search(text)
         # recompute "kernel": its first backward GEMM also recomputes gate and up, and the
-        # cotangent's dispatch is a kernel of its own.
+        # backward's dispatch is kernels of their own; the input gradient still returns inside
+        # its GEMM's kernel.
         fused_bwd = dataclasses.replace(cfg, fused_recompute="kernel")
         text = lowered_with_kernels(x, params, cotangent, fused_bwd, mesh)
         assert OVERLAPPED_DISPATCH.search(text)
         assert not OVERLAPPED_COTANGENT.search(text)
+        assert len(OVERLAPPED_INPUT_GRAD.findall(text)) == 2
 
 
 @pytest.mark.gpu

@@ -379,11 +379,15 @@ def test_stage_rows():
     assert mosaic_gpu.stage_rows(2048, 4) == 8
     assert mosaic_gpu.stage_rows(7168, 4) == 2  # 56 KiB
     assert mosaic_gpu.stage_rows(2048, 2, budget=32 * 1024) == 8
-    # The overlapped dispatch: the weights' column beside the rows keeps both boxes; two
-    # bf16 forms of the cotangent share a copier's shared memory (the smem limit otherwise).
-    assert mosaic_gpu._dispatch_boxes(2048, 2, 4, 4) == (16, 64)
-    assert mosaic_gpu._dispatch_boxes(2048, 2, 2048, 2) == (8, 8)
-    assert mosaic_gpu._dispatch_boxes(7168, 2, 7168, 2) == (2, 2)
+    # The overlapped dispatch: a stage a kind of row; the weights' column beside the rows
+    # keeps both boxes; two wide kinds share STAGE_BYTES (the smem limit otherwise).
+    bf16, f32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
+    arrays = [jnp.zeros((8, w), d) for w, d in ((2048, bf16), (2048, bf16), (4, f32), (2048, bf16))]
+    assert mosaic_gpu._stage_kinds(tuple(arrays)) == (((2048, bf16), (4, f32)), (0, 0, 1, 0))
+    assert mosaic_gpu._dispatch_boxes(((2048, bf16), (4, f32))) == (16, 64)
+    assert mosaic_gpu._dispatch_boxes(((2048, bf16),)) == (16,)
+    assert mosaic_gpu._dispatch_boxes(((7168, bf16), (4, f32))) == (4, 64)
+    assert mosaic_gpu._dispatch_boxes(((2048, bf16), (2048, f32))) == (8, 4)
     # Stages of no rows: refused (2 rows of 7168 bf16 cannot be split in 4).
     with pytest.raises(ValueError, match="copy_stages=4"):
         mosaic_gpu._stage_smem((), 2, 7168, jnp.bfloat16, 4)
@@ -652,68 +656,83 @@ def test_gpu_dispatch_swiglu_gives_the_bits_of_the_separate_kernels(
 
 def dispatch_down_grad_fn(num_local, num_rows, window, tile, *, copy_programs: int,
                           copy_stages: int = 1):  # fmt: skip
-    """(dy [EP * N, D], dy_down [EP * N, D], w_down [EP * G, F, D], counts [EP, E], round [])
-    -> (dy [EP * S, D], dy_down [EP * S, D], g f32 [EP * S, F]) inside shard_map: the round's
-    dispatch of the cotangent and g = dy @ w_down[g].T by the overlapped kernel (copy_programs
-    > 0), or by `send_rows` twice then the transposed gmm (0)."""
+    """(w_down [EP * G, F, D], counts [EP, E], round [], dy [EP * N, D], *sides [EP * N, C])
+    -> (dy [EP * S, D], sides [EP * S, C], g f32 [EP * S, F]) inside shard_map: the round's
+    dispatch of the cotangent (and its sides) and g = dy @ w_down[g].T by the overlapped
+    kernel (copy_programs > 0), or by `send_rows` for each then the transposed gmm (0)."""
     from pallas_kernels.grouped_matmul import mosaic_gpu as grouped
 
     slots = xp.num_tiles(window, tile, num_local) * tile
 
-    def body(dy, dy_down, w_down, counts_se, round_index):
+    def body(w_down, counts_se, round_index, dy, *sides):
         dispatch, _, group_sizes = round_tables(counts_se, round_index, num_local, num_rows,
                                                 window, tile)  # fmt: skip
         if copy_programs:
             return mosaic_gpu.dispatch_down_grad(
-                dy, dy_down, dispatch, round_index, w_down, group_sizes, out_rows=slots,
+                dy, sides, dispatch, round_index, w_down, group_sizes, out_rows=slots,
                 tile=tile, axis_name=AXIS, copy_programs=copy_programs, copy_stages=copy_stages,
             )  # fmt: skip
         send = functools.partial(mosaic_gpu.send_rows, axis_name=AXIS, out_rows=slots)
         buf = send(dy, dispatch, round_index)
         g = grouped.gmm(buf, w_down, group_sizes, transpose_rhs=True, out_dtype=jnp.float32)
-        return buf, send(dy_down, dispatch, round_index), mosaic_gpu._like(g, buf)
+        sides_s = tuple(send(side, dispatch, round_index) for side in sides)
+        return buf, sides_s, mosaic_gpu._like(g, buf)
 
     return body, slots
 
 
-def dispatch_down_grad_inputs(mesh, num_local, num_rows, d_model, d_ff, seed=0):
-    """Random bf16 (dy, dy_down, w_down) for dispatch_down_grad_fn, placed on `mesh`."""
+def dispatch_down_grad_specs(mesh, num_sides: int) -> dict:
+    """shard_map's specs for dispatch_down_grad_fn's body with `num_sides` sides."""
+    return dict(mesh=mesh, in_specs=(P(AXIS), P(), P()) + (P(AXIS),) * (1 + num_sides),
+                out_specs=(P(AXIS), (P(AXIS),) * num_sides, P(AXIS)))  # fmt: skip
+
+
+def dispatch_down_grad_inputs(mesh, num_local, num_rows, d_model, d_ff, num_sides, seed=0):
+    """Random (w_down, dy, *sides) for dispatch_down_grad_fn, placed on `mesh`: bf16 w_down
+    and dy; the layer's sides, dy times the weights and the rows x (bf16 [N, D]) and their
+    weights (f32 [N, 4]), the first `num_sides` of them."""
     num_devices = mesh.devices.size
-    keys = jax.random.split(jax.random.key(seed), 3)
-    shapes = ((num_devices * num_rows, d_model),) * 2 + ((num_devices * num_local, d_ff, d_model),)
-    arrays = [jax.random.normal(k, shape) for k, shape in zip(keys, shapes, strict=True)]
-    arrays[2] = arrays[2] / d_model**0.5
+    keys = jax.random.split(jax.random.key(seed), 5)
+    w_down = jax.random.normal(keys[0], (num_devices * num_local, d_ff, d_model)) / d_model**0.5
+    rows = [jax.random.normal(k, (num_devices * num_rows, d_model)) for k in keys[1:4]]
+    weights = jax.random.uniform(keys[4], (num_devices * num_rows, 4), jnp.float32)
+    arrays = (*(a.astype(jnp.bfloat16) for a in (w_down, *rows)), weights)
     put = lambda a: jax.device_put(a, jax.NamedSharding(mesh, P(AXIS)))  # noqa: E731
-    return tuple(put(a.astype(jnp.bfloat16)) for a in arrays)
+    return tuple(put(a) for a in arrays[: 2 + num_sides])
 
 
-# dispatch_down_grad's custom call: dy and dy_down [S, D] bf16, g [S, F] f32.
+# dispatch_down_grad's custom call with the layer's sides: dy, dy_down and x [S, D] bf16, the
+# weights [S, 4] f32, g [S, F] f32.
 DOWN_GRAD_CALL = (
     r"custom_call @mosaic_gpu.*-> \(tensor<(\d+)x(\d+)xbf16>, tensor<\1x\2xbf16>, "
-    r"tensor<\1x\d+xf32>"
+    r"tensor<\1x\2xbf16>, tensor<\1x4xf32>, tensor<\1x\d+xf32>"
 )
 
 
 @pytest.mark.parametrize("copy_stages", [1, 4])
 def test_dispatch_down_grad_lowers_for_cuda_inside_shard_map_on_8_devices(copy_stages):
-    """One kernel for the cotangent's dispatch (dy and dy times the weights, with one set of
-    tables) and g = dy @ w_down[g].T, its peers addressed through XLA's collective metadata,
-    its tile counters one set for the kernel; bad arguments raise."""
+    """One kernel for the layer's backward dispatch (dy, dy times the weights, the rows x and
+    their weights, with one set of tables) and g = dy @ w_down[g].T, its peers addressed
+    through XLA's collective metadata, its tile counters one set for the kernel; bad
+    arguments raise."""
     num_devices, num_local, num_rows, window, tile = 8, 4, 512, 640, 64
     d_model, d_ff = 2048, 768
     mesh = jax.make_mesh((num_devices,), (AXIS,))
-    specs = dict(mesh=mesh, in_specs=(P(AXIS),) * 3 + (P(), P()), out_specs=(P(AXIS),) * 3)
+    specs = dispatch_down_grad_specs(mesh, num_sides=3)
     body, slots = dispatch_down_grad_fn(num_local, num_rows, window, tile, copy_programs=16,
                                         copy_stages=copy_stages)  # fmt: skip
     sharded = lambda shape, dtype, spec: jax.ShapeDtypeStruct(  # noqa: E731
         shape, dtype, sharding=jax.NamedSharding(mesh, spec)
     )
+    rows = sharded((num_devices * num_rows, d_model), jnp.bfloat16, P(AXIS))
     args = (
-        sharded((num_devices * num_rows, d_model), jnp.bfloat16, P(AXIS)),
-        sharded((num_devices * num_rows, d_model), jnp.bfloat16, P(AXIS)),
         sharded((num_devices * num_local, d_ff, d_model), jnp.bfloat16, P(AXIS)),
         sharded((num_devices, num_devices * num_local), jnp.int32, P()),
         sharded((), jnp.int32, P()),
+        rows,
+        rows,
+        rows,
+        sharded((num_devices * num_rows, 4), jnp.float32, P(AXIS)),
     )
     text = jax.jit(jax.shard_map(body, **specs)).trace(*args).lower(
         lowering_platforms=("cuda",)
@@ -725,23 +744,28 @@ def test_dispatch_down_grad_lowers_for_cuda_inside_shard_map_on_8_devices(copy_s
     assert "uses_xla_collective_metadata = true" in text
     assert "skip_device_barrier = false" in text
     assert_no_operand_can_share_the_counters(text)
-    # w_down of another width than dy, or not of rank 3: refused.
+    # w_down of another width than dy, or not of rank 3, or a side of other rows: refused.
     for w_down, match in (((num_devices * num_local, d_ff, 1024), "D=2048 must equal w_down"),
                           ((num_devices * num_local, d_ff), "rank 3")):  # fmt: skip
-        bad_args = (*args[:2], sharded(w_down, jnp.bfloat16, P(AXIS)))
+        bad_args = (sharded(w_down, jnp.bfloat16, P(AXIS)), *args[1:])
         with pytest.raises(ValueError, match=match):
-            jax.jit(jax.shard_map(body, **specs)).trace(*bad_args, *args[3:])
+            jax.jit(jax.shard_map(body, **specs)).trace(*bad_args)
+    short = sharded((num_devices * (num_rows - 8), 4), jnp.float32, P(AXIS))
+    with pytest.raises(ValueError, match="side rows"):
+        jax.jit(jax.shard_map(body, **specs)).trace(*args[:-1], short)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "num_local,num_rows,window,tile,copy_programs",
-    [(4, 4096, 3072, 64, 16), (3, 200, 96, 8, 1), (8, 4096, 6144, 64, 64)],
-)
+    "num_local,num_rows,window,tile,copy_programs,num_sides",
+    [(4, 4096, 3072, 64, 16, 1), (4, 4096, 3072, 64, 16, 3), (3, 200, 96, 8, 1, 3),
+     (8, 4096, 6144, 64, 64, 3)],
+)  # fmt: skip
 def test_gpu_dispatch_down_grad_gives_the_bits_of_the_separate_kernels(
-    num_local, num_rows, window, tile, copy_programs
+    num_local, num_rows, window, tile, copy_programs, num_sides
 ):
-    """The overlapped kernel's dy, dy_down and g are those of send_rows (twice) then the
+    """The overlapped kernel's dy, its sides (the layer's: dy_down, x and the weights, three
+    arrays in two kinds of stage) and g are those of send_rows (for each) then the
     transposed gmm, bit for bit, in every slot, round by round."""
     devices = jax.devices()
     mesh = jax.make_mesh((len(devices),), (AXIS,), devices=devices)
@@ -749,7 +773,7 @@ def test_gpu_dispatch_down_grad_gives_the_bits_of_the_separate_kernels(
     counts_se = random_counts(3, len(devices), num_local, num_rows)
     t = exchange.traffic(jnp.asarray(counts_se), num_local)
     rounds = int(exchange.window_rounds(t, window))
-    specs = dict(mesh=mesh, in_specs=(P(AXIS),) * 3 + (P(), P()), out_specs=(P(AXIS),) * 3)
+    specs = dispatch_down_grad_specs(mesh, num_sides)
     runs = [
         jax.jit(jax.shard_map(
             dispatch_down_grad_fn(num_local, num_rows, window, tile, copy_programs=c)[0], **specs
@@ -758,8 +782,9 @@ def test_gpu_dispatch_down_grad_gives_the_bits_of_the_separate_kernels(
     ]  # fmt: skip
     put = lambda a: jax.device_put(jnp.asarray(a), jax.NamedSharding(mesh, P()))  # noqa: E731
     for r in range(rounds):
-        inputs = dispatch_down_grad_inputs(mesh, num_local, num_rows, d_model, d_ff, seed=r)
-        got, want = (run(*inputs, put(counts_se), put(jnp.int32(r))) for run in runs)
+        w_down, *rows = dispatch_down_grad_inputs(mesh, num_local, num_rows, d_model, d_ff,
+                                                  num_sides, seed=r)  # fmt: skip
+        got, want = (run(w_down, put(counts_se), put(jnp.int32(r)), *rows) for run in runs)
         chex.assert_trees_all_equal(got, want)
 
 

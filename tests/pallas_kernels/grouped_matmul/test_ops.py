@@ -5,6 +5,8 @@ The backward passes call `mosaic_gpu_wgrad.tgmm` (the weight-gradient kernel) fo
 
 from __future__ import annotations
 
+import functools
+
 import chex
 import jax
 import jax.extend
@@ -207,6 +209,32 @@ def test_swiglu_mlp_grads_from_g_give_the_bits_of_the_recomputing_backward(weigh
     other = ops.swiglu_mlp_grads_from_g(t["x"], *weights, t["sizes"], scale, g + 1e-3, dy_down,
                                         interpret=True)  # fmt: skip
     assert not np.array_equal(np.asarray(other[0], np.float32), np.asarray(want[0], np.float32))
+
+
+@pytest.mark.parametrize("recompute", [*ops.RECOMPUTES, "from_g"])
+def test_swiglu_mlp_grads_without_the_input_grad_hand_back_its_gemm_operand(recompute):
+    """input_grad=False: the first output is [d_gate | d_up] ([M, 2F]), from which
+    swiglu_input_grad gives d_lhs bit for bit; the other gradients are unchanged."""
+    from pallas_kernels.grouped_matmul import mosaic_gpu
+
+    t = _inputs(*CASES[1])
+    weights = (t["w"], t["w2"], t["w_t"])
+    args = (t["x"], *weights, t["sizes"], t["scale"])
+    if recompute == "from_g":
+        g = mosaic_gpu.gmm(t["cotangent"].astype(t["x"].dtype), t["w_t"], t["sizes"],
+                           transpose_rhs=True, out_dtype=jnp.float32, interpret=True)  # fmt: skip
+        dy_down = (t["cotangent"] * t["scale"][:, None]).astype(t["x"].dtype)
+        run = functools.partial(ops.swiglu_mlp_grads_from_g, *args, g, dy_down, interpret=True)
+    else:
+        run = functools.partial(ops.swiglu_mlp_grads, *args, t["cotangent"], recompute=recompute,
+                                interpret=True)  # fmt: skip
+    want = run()
+    got = run(input_grad=False)
+    d_gate_up = got[0]
+    chex.assert_shape(d_gate_up, (t["x"].shape[0], 2 * t["w"].shape[2]))
+    chex.assert_type(d_gate_up, t["x"].dtype)
+    d_lhs = ops.swiglu_input_grad(d_gate_up, t["w"], t["w2"], t["sizes"], interpret=True)
+    chex.assert_trees_all_equal((d_lhs, *got[1:]), want)
 
 
 def test_swiglu_mlp_recomputes_agree_and_bad_ones_raise():
