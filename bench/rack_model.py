@@ -149,15 +149,16 @@ ASSUMPTIONS = {
         "it computes whole expert groups like ragged_all_to_all, and starts a tile once its "
         "rows have arrived: one tile's dispatch before the first GEMM and one tile's return "
         "after the last are not hidden. Every transfer is modelled overlapped; the kernels "
-        "overlap the forward's dispatch and return and the backward's dy dispatch, while the "
-        "backward's recomputed dispatch of x and its dx return are kernels of their own "
-        "(session 14), so the backward's prediction is optimistic by those two"
+        "overlap the forward's dispatch and return, the backward's dispatch of x and dy (one "
+        "kernel) and its dx return (session 15); the routing weights' gradient (16 bytes a "
+        "row) returns in a kernel of its own, not modelled"
     ),
     "backward_transfer": (
         "the backward sends the x rows out again, then dy, and gets dx back (3 transfers a "
         "round): mok_jax/routed.py's backward recomputes each round's forward under jax.vjp, "
-        "and the fused implementation keeps the tokens, not the received rows; whether XLA also "
-        "runs the recomputed forward's unused y return is not modelled"
+        "and the fused implementation keeps the tokens, not the received rows (it sends x "
+        "with dy, in one kernel); the re-run forward's outputs are read by nothing, dead code "
+        "that XLA should drop (not checked kernel by kernel), and are not modelled"
     ),
     "same_compute": (
         "every exchange gets the fused implementation's single-GPU compute (its GEMM passes, "

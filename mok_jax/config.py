@@ -167,11 +167,14 @@ class MoEConfig:
         rows are stored; and (with fused_recompute "gmm") of the backward's first GEMM's
         kernel, that copy the results' cotangent, the rows and their weights to the buffers
         while the others run g = dy @ w_down.T tile by tile; and of the input gradient's
-        kernel, that send each piece of it back as soon as its rows are stored. 0: these copies run as kernels of their own, on every
-        SM. y and dx do not depend on it. Default 24: on one H200, at qwen3_30b_a3b's round
-        with an EP > 1 buffer, both kernels took 1.53 ms at 24, 1.66 at 16 and 1.71 as separate
-        kernels (bench/results/2026-12-01_exchange_tail_h200_s13/); across GPUs, where the
-        copies cost more, not yet timed.
+        kernel, that send each piece of it back as soon as its rows are stored. 0: these
+        copies run as kernels of their own, on every SM. y and dx do not depend on it.
+        Default 24: on one H200, at qwen3_30b_a3b's round with an EP > 1 buffer, the
+        forward's two kernels took 1.53 ms at 24, 1.66 at 16 and 1.71 as separate kernels
+        (bench/results/2026-12-01_exchange_tail_h200_s13/); the layer's forward+backward on
+        a 1-device mesh, 5.92 ms at 24 and 6.22 separate (one call, session 15,
+        bench/results/2026-12-01_exchange_backward_h200_s15/); across GPUs, where the copies
+        cost more, not yet timed.
       token_chunk: tokens per step of the token-wise stages (routing, combine, shared experts),
         which run in fixed-shape chunks of this many tokens (zero-padded, at least two) so that
         a token's bits do not depend on how many tokens a device holds; None: 8 * row_tile

@@ -23,8 +23,9 @@ cotangent) inside the kernel of its first GEMM, g = dy @ w_down.T, as `dispatch_
 bench/results/2026-12-01_exchange_backward_h200_s14/), and `dgrad_return` the input
 gradient's GEMM with the return of d_x (`down_return`'s kernel with another GEMM; bitwise equal
 to the separate kernels on one H200, session 15,
-bench/results/2026-12-01_exchange_backward_h200_s15/). The backward's other copies (the
-recomputed dispatch, the routing weights' gradient back) are kernels of their own.
+bench/results/2026-12-01_exchange_backward_h200_s15/). Since session 15 the backward's
+dispatch carries the forward's rows and their weights too (the backward saves the rows, not
+the buffer): only the routing weights' gradient goes back in a kernel of its own.
 
 Invariants (send_rows; the overlapped dispatch's O1-O3 and down_return's R1-R3 are in their
 bodies):
