@@ -150,8 +150,7 @@ ASSUMPTIONS = {
         "rows have arrived: one tile's dispatch before the first GEMM and one tile's return "
         "after the last are not hidden. Every transfer is modelled overlapped; the kernels "
         "overlap the forward's dispatch and return, the backward's dispatch of x and dy (one "
-        "kernel) and its dx return (session 15); the routing weights' gradient (16 bytes a "
-        "row) returns in a kernel of its own, not modelled"
+        "kernel) and its dx return with the routing weights' gradient (one kernel, session 15)"
     ),
     "backward_transfer": (
         "the backward sends the x rows out again, then dy, and gets dx back (3 transfers a "

@@ -25,7 +25,8 @@ gradient's GEMM with the return of d_x (`down_return`'s kernel with another GEMM
 to the separate kernels on one H200, session 15,
 bench/results/2026-12-01_exchange_backward_h200_s15/). Since session 15 the backward's
 dispatch carries the forward's rows and their weights too (the backward saves the rows, not
-the buffer): only the routing weights' gradient goes back in a kernel of its own.
+the buffer), and `dgrad_return` the routing weights' gradient with d_x: each copy of the
+layer's forward and backward runs inside a GEMM's kernel.
 
 Invariants (send_rows; the overlapped dispatch's O1-O3 and down_return's R1-R3 are in their
 bodies):
@@ -815,7 +816,10 @@ def _gemm_return_kernel(
     config,
     gemm_programs: int,
     copy_programs: int,
-    box: int,
+    num_sides: int,
+    kinds: tuple[tuple[int, jnp.dtype], ...],
+    kind_of: tuple[int, ...],
+    boxes: tuple[int, ...],
     tile_signals: int,
     num_row_tiles: int,
     num_zeros: int,
@@ -823,9 +827,12 @@ def _gemm_return_kernel(
     local: bool,
     copy_stages: int,
 ):
-    # The GEMM's other operands (weights, row scale), the tables, then the GEMM's output y and
-    # the rows back.
-    *gemm_refs, tables_ref, y_ref, out_ref = refs
+    # The GEMM's other operands (weights, row scale), the sides, the tables, then the GEMM's
+    # output y, the rows back and the sides' rows back.
+    num_gemm = len(refs) - 2 * num_sides - 3
+    gemm_refs, side_refs = refs[:num_gemm], refs[num_gemm : num_gemm + num_sides]
+    tables_ref, y_ref, out_ref, *side_out_refs = refs[num_gemm + num_sides :]
+    srcs, dsts = (y_ref, *side_refs), (out_ref, *side_out_refs)
     (src_p_ref, dst_p_ref, size_p_ref, peer_p_ref, round_p_ref, count_ref, arrivals_ref,
      zero_dst_ref, zero_size_ref, round_ref, first_p_ref, end_p_ref) = packed.views(
         tables_ref, *_MOVES[:5], *_MOVES[6:], "first_p", "end_p")  # fmt: skip
@@ -860,8 +867,9 @@ def _gemm_return_kernel(
 
     # R3. Programs [0, copy_programs) copy, each warpgroup one copier: piece p (copier p %
     #     copiers) waits until every row tile storing its rows has counted all its signals,
-    #     copies its rows of y to its source's rows (`out`, on the peer), then signals the
-    #     peer's arrival counter; then the copier zeroes its zero ranges of this device's out.
+    #     copies its rows of y (and of each side, an operand) to its source's rows (`out`, on
+    #     the peer), then signals the peer's arrival counter; then the copier zeroes its zero
+    #     ranges of this device's out (and the sides').
     #     Copier 0 last waits for the arrivals of this device's round (every row is back). A
     #     copier waits only for this device's GEMM tiles, which wait for nothing, and for the
     #     peers' copiers, which do the same: no cycle.
@@ -870,10 +878,12 @@ def _gemm_return_kernel(
 
     @pl.when(program < copy_programs)
     def _copy():
-        def copy_scope(stages, loaded):
+        def copy_scope(*scoped):
+            *kind_stages, loaded = scoped
             wg = lax.axis_index("wg")
             copier = program * num_wg + wg
-            stage = _copier(stages, loaded, wg, copy_stages)
+            # A stage a kind of row, as in the dispatch (one copy after the other).
+            stages = [_copier(smem, loaded, wg, copy_stages) for smem in kind_stages]
             round_index = round_ref[0]
 
             @pl.loop(copier, count_ref[0], step=copiers)
@@ -885,8 +895,9 @@ def _gemm_return_kernel(
                         pl.semaphore_wait(counters.at[t], tile_signals, decrement=False)
 
                     peer = {axis_name: peer_p_ref[p]}
-                    dst = out_ref if local else plgpu.remote_ref(out_ref, peer)
-                    stage.copy(y_ref, dst, src_p_ref[p], dst_p_ref[p], size_p_ref[p])
+                    for src, dst, kind in zip(srcs, dsts, kind_of, strict=True):
+                        dst = dst if local else plgpu.remote_ref(dst, peer)
+                        stages[kind].copy(src, dst, src_p_ref[p], dst_p_ref[p], size_p_ref[p])
                     if local:
                         pl.semaphore_signal(arrived)
                     else:
@@ -894,12 +905,13 @@ def _gemm_return_kernel(
 
             @pl.when(copier < num_zeros)
             def _zeros():
-                zeros_smem = stage.zeros()
+                zeros_smems = [stage.zeros() for stage in stages]
                 plgpu.commit_smem()
 
                 @pl.loop(copier, num_zeros, step=copiers)
                 def _zero(z):
-                    zero_rows(out_ref, zero_dst_ref[z], zero_size_ref[z], zeros_smem)
+                    for dst, kind in zip(dsts, kind_of, strict=True):
+                        zero_rows(dst, zero_dst_ref[z], zero_size_ref[z], zeros_smems[kind])
 
             @pl.when(copier == 0)
             def _arrivals():
@@ -907,10 +919,11 @@ def _gemm_return_kernel(
 
         pl.run_scoped(
             copy_scope,
-            _stage_smem((num_wg,), box, y_ref.shape[1], y_ref.dtype, copy_stages),
+            *(_stage_smem((num_wg,), box, width, dtype, copy_stages)
+              for box, (width, dtype) in zip(boxes, kinds, strict=True)),
             plgpu.Barrier(num_arrivals=1, num_barriers=num_wg * copy_stages),
             collective_axes="wg",
-        )
+        )  # fmt: skip
 
 
 def _row_tile_waits(moves: Moves, schedule_t4: Array) -> tuple[Array, Array]:
@@ -957,11 +970,12 @@ def down_return(
         raise ValueError(f"h {h_sf.shape} must be [S, F] and w_down {w_down_gfd.shape} [G, F, D]")
     if scale_s.shape != (num_slots,) or scale_s.dtype != jnp.float32:
         raise ValueError(f"scale must be f32 [{num_slots}], got {scale_s.dtype} {scale_s.shape}")
-    return _gemm_return(
+    y, out, _ = _gemm_return(
         "scaled", h_sf, (w_down_gfd,), ("w_down",), group_sizes_g, back, round_index,
-        n=w_down_gfd.shape[2], scale_s=scale_s, out_rows=out_rows, axis_name=axis_name,
-        copy_programs=copy_programs, copy_stages=copy_stages,
+        n=w_down_gfd.shape[2], scale_s=scale_s, sides=(), out_rows=out_rows,
+        axis_name=axis_name, copy_programs=copy_programs, copy_stages=copy_stages,
     )  # fmt: skip
+    return y, out
 
 
 def dgrad_return(
@@ -972,20 +986,23 @@ def dgrad_return(
     back: Moves,
     round_index: Array,
     *,
+    sides: tuple[Array, ...] = (),
     out_rows: int,
     axis_name: str,
     copy_programs: int = 24,
     copy_stages: int = 1,
-) -> tuple[Array, Array]:
+) -> tuple[Array, Array, tuple[Array, ...]]:
     """The expert MLP's input gradient of round `round_index` and its return to the rows'
     sources in one kernel, overlapped (the backward's way back): -> (d_buffer [S, D], d_x
-    [out_rows, D]), in the dtype of d_gate_up.
+    [out_rows, D] in the dtype of d_gate_up, the sides' rows back (each [out_rows, C])).
 
     The GEMM programs compute d_buffer = [d_gate | d_up] @ [w_gate | w_up][g].T over the
     groups `group_sizes_g` (`gmm(d_gate_up, (w_gate, w_up), group_sizes, transpose_rhs=True)`,
     bit for bit) from d_gate_up [S, 2F] and w_gate, w_up [G, D, F]; the copy programs send
     each piece of it back along `back` as `send_rows(d_buffer, back, ...)` does, as soon as
-    the row tiles storing its rows have completed (as `down_return`)."""
+    the row tiles storing its rows have completed (as `down_return`), and with it the
+    piece's rows of each side [S, C] (a row a multiple of 16 bytes: the layer's is the
+    routing weights' gradient, f32 [S, 4]), as `send_rows(side, back, ...)` does."""
     if (
         d_gate_up_s2f.ndim != 2
         or w_gate_gdf.ndim != 3
@@ -997,8 +1014,9 @@ def dgrad_return(
         )
     return _gemm_return(
         "dgrad", d_gate_up_s2f, (w_gate_gdf, w_up_gdf), ("w_gate", "w_up"), group_sizes_g, back,
-        round_index, n=w_gate_gdf.shape[1], scale_s=None, out_rows=out_rows,
-        axis_name=axis_name, copy_programs=copy_programs, copy_stages=copy_stages,
+        round_index, n=w_gate_gdf.shape[1], scale_s=None, sides=tuple(sides),
+        out_rows=out_rows, axis_name=axis_name, copy_programs=copy_programs,
+        copy_stages=copy_stages,
     )  # fmt: skip
 
 
@@ -1013,13 +1031,14 @@ def _gemm_return(
     *,
     n: int,
     scale_s: Array | None,
+    sides: tuple[Array, ...],
     out_rows: int,
     axis_name: str,
     copy_programs: int,
     copy_stages: int,
-) -> tuple[Array, Array]:
+) -> tuple[Array, Array, tuple[Array, ...]]:
     """`down_return` ("scaled", with scale_s) and `dgrad_return` ("dgrad"): `gemm` (N = n) on
-    lhs and the return of its output in one kernel (R1-R3)."""
+    lhs and the return of its output, with the sides' rows, in one kernel (R1-R3)."""
     back.check()
     _check_copy_stages(copy_stages)
     num_slots = lhs_sk.shape[0]
@@ -1035,6 +1054,9 @@ def _gemm_return(
     part_k = lhs_sk.shape[1] // len(weights)
     if part_k % config.block_k:
         raise ValueError(f"each rhs part's K={part_k} must be a multiple of {config.block_k}")
+    for side in sides:
+        if side.ndim != 2 or side.shape[0] != num_slots:
+            raise ValueError(f"side rows {side.shape} must match the slots {lhs_sk.shape}")
     programs = tuning.persistent_grid_size()
     if not 0 < copy_programs < programs:
         raise ValueError(
@@ -1044,6 +1066,8 @@ def _gemm_return(
     # As in the dispatch: whole 8-row tiles, at least block_m rows (rows past S: zeros in lhs,
     # stored by no tile, sliced off); a row scale is read for whole tiles.
     kernel_rows = max(pl.cdiv(num_slots, 8) * 8, config.block_m)
+    y_type = jax.ShapeDtypeStruct((kernel_rows, n), out_dtype)
+    kinds, kind_of = _stage_kinds((y_type, *sides))
     if kernel_rows != num_slots:
         lhs_sk = jnp.pad(lhs_sk, ((0, kernel_rows - num_slots), (0, 0)))
     operands = weights
@@ -1062,7 +1086,10 @@ def _gemm_return(
         config=config,
         gemm_programs=programs - copy_programs,
         copy_programs=copy_programs,
-        box=stage_rows(n, out_dtype.itemsize),
+        num_sides=len(sides),
+        kinds=kinds,
+        kind_of=kind_of,
+        boxes=_dispatch_boxes(kinds),
         tile_signals=(n // config.block_n) * config.num_consumers,
         num_row_tiles=schedule_t4.shape[0],
         num_zeros=back.zero_dst_z.shape[0],
@@ -1071,10 +1098,11 @@ def _gemm_return(
         copy_stages=copy_stages,
     )
     out_types = (
-        jax.ShapeDtypeStruct((kernel_rows, n), out_dtype),
+        y_type,
         jax.ShapeDtypeStruct((out_rows, n), out_dtype),
+        *(jax.ShapeDtypeStruct((out_rows, side.shape[1]), side.dtype) for side in sides),
     )
-    y, out = plgpu.kernel(
+    y, out, *sides_out = plgpu.kernel(
         kernel,
         out_type=out_types,
         grid=(programs,),
@@ -1082,6 +1110,7 @@ def _gemm_return(
         num_threads=config.num_consumers + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )(schedule_t4, lhs_sk, *operands, tables)
+    )(schedule_t4, lhs_sk, *operands, *sides, tables)
     y = y[:num_slots] if kernel_rows != num_slots else y
-    return _like(y, lhs_sk), _like(out, lhs_sk)
+    sides_out = tuple(_like(a, side) for a, side in zip(sides_out, sides, strict=True))
+    return _like(y, lhs_sk), _like(out, lhs_sk), sides_out

@@ -11,10 +11,10 @@ the gate/up GEMMs' kernel (`mosaic_gpu.dispatch_swiglu`) and the return inside t
 projection's (`mosaic_gpu.down_return`). It saves the rows, not the buffer: its backward
 dispatches them again, with their weights and the results' cotangent (with recompute "gmm",
 all inside the kernel of the first backward GEMM: `mosaic_gpu.dispatch_down_grad`), runs the
-rest of `grouped_matmul.ops.swiglu_mlp_grads` there, and returns the input gradient inside
-its GEMM's kernel (`mosaic_gpu.dgrad_return`) and the weights' gradient by a copy of its own.
-The values and gradients are those of
-`send_rows`, then `grouped_matmul.ops.swiglu_mlp`, then `send_rows` back.
+rest of `grouped_matmul.ops.swiglu_mlp_grads` there, and returns the input gradient and the
+routing weights' inside the input gradient's GEMM's kernel (`mosaic_gpu.dgrad_return`).
+The values and gradients are those of `send_rows`, then `grouped_matmul.ops.swiglu_mlp`,
+then `send_rows` back.
 """
 
 from __future__ import annotations
@@ -263,30 +263,36 @@ def _grads_at_buffers(static: _MlpStatic, d_out, residuals):
     )
 
 
-def _dgrad_return(static: _MlpStatic, d_gate_up, w_gate, w_up, group_sizes, back, round_index,
-                  num_rows: int):  # fmt: skip
-    """The round's rows' input gradient at their sources [N, D] (rows of other rounds
-    unspecified): d_buffer = `swiglu_input_grad(d_gate_up, ...)`, then its return along
-    `back`; by the overlapped kernel (grad_copy_programs > 0: `mosaic_gpu.dgrad_return`), by
-    the gmm then the exchange kernel (0), or with `interpret` by the gmm in interpret mode then
+def _dgrad_return(static: _MlpStatic, d_gate_up, d_scale_s, w_gate, w_up, group_sizes, back,
+                  round_index, num_rows: int):  # fmt: skip
+    """The round's rows' gradients at their sources, (d_x [N, D], d_scale f32 [N]) (rows of
+    other rounds unspecified): d_buffer = `swiglu_input_grad(d_gate_up, ...)`, then its return
+    along `back` with the weights' gradient d_scale_s [S]; by the overlapped kernel
+    (grad_copy_programs > 0: `mosaic_gpu.dgrad_return`, d_scale as its side), by the gmm then
+    the exchange kernel for each (0), or with `interpret` by the gmm in interpret mode then
     `send_rows` (its spec on the CPU)."""
+    d_scale_s4 = _column4(d_scale_s)
     if static.grad_copy_programs and not static.interpret:
-        _, d_x = mosaic_gpu.dgrad_return(
+        _, d_x, (d_scale4,) = mosaic_gpu.dgrad_return(
             d_gate_up,
             w_gate,
             w_up,
             group_sizes,
             back,
             round_index,
+            sides=(d_scale_s4,),
             out_rows=num_rows,
             axis_name=static.axis_name,
             copy_programs=static.grad_copy_programs,
         )
-        return d_x
+        return d_x, d_scale4[:, 0]
     d_buffer = grouped_ops.swiglu_input_grad(
         d_gate_up, w_gate, w_up, group_sizes, interpret=static.interpret
     )
-    return _send(d_buffer, back, round_index, num_rows, static.axis_name, "auto")
+    send_back = functools.partial(
+        _send, out_rows=num_rows, axis_name=static.axis_name, implementation="auto"
+    )
+    return send_back(d_buffer, back, round_index), send_back(d_scale_s4, back, round_index)[:, 0]
 
 
 def _dispatch_mlp_bwd(static, residuals, d_out):
@@ -297,11 +303,9 @@ def _dispatch_mlp_bwd(static, residuals, d_out):
         d_out,
         (x_nd, scale_n, w_gate, w_up, w_down, group_sizes, moves, round_index),
     )
-    # The copies back: each row's gradient from the slot it was copied to.
-    d_x = _dgrad_return(static, d_gate_up, w_gate, w_up, group_sizes, back, round_index,
-                        num_rows)  # fmt: skip
-    d_scale = _send(_column4(d_scale_s), back, round_index, num_rows, static.axis_name, "auto")
-    d_scale = d_scale[:, 0]
+    # The copies back: each row's gradients from the slot it was copied to.
+    d_x, d_scale = _dgrad_return(static, d_gate_up, d_scale_s, w_gate, w_up, group_sizes, back,
+                                 round_index, num_rows)  # fmt: skip
     return d_x, d_scale, None, None, None, d_w_gate, d_w_up, d_w_down, None
 
 
@@ -350,8 +354,8 @@ def dispatch_mlp(
     kernel of the first backward GEMM (`mosaic_gpu.dispatch_down_grad`); with 0, or
     recompute "kernel" (whose first GEMM also recomputes gate and up), in kernels of their
     own. With grad_copy_programs > 0 the rows' gradient returns to them inside the kernel of
-    the GEMM that computes it (`mosaic_gpu.dgrad_return`, either recompute); the routing
-    weights' gradient returns in a kernel of its own."""
+    the GEMM that computes it, with the routing weights' gradient (`mosaic_gpu.dgrad_return`,
+    either recompute)."""
     grad_copy_programs = copy_programs if grad_copy_programs is None else grad_copy_programs
     if copy_programs < 0 or grad_copy_programs < 0:
         raise ValueError(f"copy_programs={copy_programs} and grad_copy_programs="

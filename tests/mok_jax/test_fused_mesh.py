@@ -56,10 +56,12 @@ OVERLAPPED_COTANGENT = re.compile(
     r"tensor<\1x\2xbf16>, tensor<\1x4xf32>, tensor<\1x\d+xf32>"
 )
 
-# dgrad_return's custom call (the backward's way back): the input gradient d_buffer [S, D] bf16
-# and the rows' gradient at their sources [N, D] bf16 (then the kernel's counters).
+# dgrad_return's custom call (the backward's way back): the input gradient d_buffer [S, D] bf16,
+# the rows' gradient at their sources [N, D] bf16 and the routing weights' [N, 4] f32 (then the
+# kernel's counters).
 OVERLAPPED_INPUT_GRAD = re.compile(
-    r"custom_call @mosaic_gpu.*-> \(tensor<\d+x(\d+)xbf16>, tensor<\d+x\1xbf16>, tensor<\d+xi32>"
+    r"custom_call @mosaic_gpu.*-> \(tensor<\d+x(\d+)xbf16>, tensor<(\d+)x\1xbf16>, "
+    r"tensor<\2x4xf32>, tensor<\d+xi32>"
 )
 
 # Small enough for interpret mode: 8 experts, top-2, 8-row tiles (D = F = 64); a window of a
@@ -136,8 +138,8 @@ def test_lowered_for_cuda_on_8_devices(layout):
     # projection overlapped with the return (one kernel); its backward the forward again
     # (separate kernels, dead code: RoutedSpec.recomputing), the dispatch of the cotangent,
     # the rows and their weights overlapped with g = dy @ w_down.T (one kernel), the GEMM
-    # gradients, the input gradient's GEMM overlapped with its return (one kernel) and the
-    # routing weights' gradient's copy.
+    # gradients, the input gradient's GEMM overlapped with its return and the routing weights'
+    # gradient's (one kernel).
     assert len(MOSAIC_GPU_CALL.findall(text)) >= 12
     # The overlapped dispatch: one kernel returns the buffer, its weights and h.
     assert OVERLAPPED_DISPATCH.search(text), "no kernel of dispatch and gate/up"

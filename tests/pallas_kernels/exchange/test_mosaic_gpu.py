@@ -974,53 +974,62 @@ def test_gpu_down_return_gives_the_bits_of_the_separate_kernels(
 
 
 def dgrad_return_fn(num_local, num_rows, window, tile, *, copy_programs: int):
-    """(d_gate_up [EP * S, 2F], w_gate, w_up [EP * G, D, F], counts [EP, E], round []) ->
-    (d_buffer [EP * S, D], d_x [EP * N, D]) inside shard_map: the round's input gradient and
-    its return by the overlapped kernel (copy_programs > 0), or by the transposed gmm over the
-    two weights then `send_rows` (0)."""
+    """(d_gate_up [EP * S, 2F], w_gate, w_up [EP * G, D, F], counts [EP, E], round [], *sides
+    [EP * S, C]) -> (d_buffer [EP * S, D], d_x [EP * N, D], sides back [EP * N, C]) inside
+    shard_map: the round's input gradient and its return (with the sides') by the overlapped
+    kernel (copy_programs > 0), or by the transposed gmm over the two weights then
+    `send_rows` for each (0)."""
     from pallas_kernels.grouped_matmul import mosaic_gpu as grouped
 
     slots = xp.num_tiles(window, tile, num_local) * tile
 
-    def body(d_gate_up, w_gate, w_up, counts_se, round_index):
+    def body(d_gate_up, w_gate, w_up, counts_se, round_index, *sides):
         _, back, group_sizes = round_tables(counts_se, round_index, num_local, num_rows,
                                             window, tile)  # fmt: skip
         if copy_programs:
             return mosaic_gpu.dgrad_return(
-                d_gate_up, w_gate, w_up, group_sizes, back, round_index, out_rows=num_rows,
-                axis_name=AXIS, copy_programs=copy_programs,
+                d_gate_up, w_gate, w_up, group_sizes, back, round_index, sides=sides,
+                out_rows=num_rows, axis_name=AXIS, copy_programs=copy_programs,
             )  # fmt: skip
         d_buffer = grouped.gmm(d_gate_up, (w_gate, w_up), group_sizes, transpose_rhs=True)
         d_buffer = mosaic_gpu._like(d_buffer, d_gate_up)
-        d_x = mosaic_gpu.send_rows(d_buffer, back, round_index, out_rows=num_rows, axis_name=AXIS)
-        return d_buffer, d_x
+        send = functools.partial(mosaic_gpu.send_rows, out_rows=num_rows, axis_name=AXIS)
+        sides_back = tuple(send(side, back, round_index) for side in sides)
+        return d_buffer, send(d_buffer, back, round_index), sides_back
 
     return body, slots
 
 
-def dgrad_return_inputs(mesh, num_local, slots, d_model, d_ff, seed=0):
-    """Random bf16 (d_gate_up, w_gate, w_up) for dgrad_return_fn, placed on `mesh`."""
+def dgrad_return_specs(mesh, num_sides: int) -> dict:
+    """shard_map's specs for dgrad_return_fn's body with `num_sides` sides."""
+    return dict(mesh=mesh, in_specs=(P(AXIS),) * 3 + (P(), P()) + (P(AXIS),) * num_sides,
+                out_specs=(P(AXIS), P(AXIS), (P(AXIS),) * num_sides))  # fmt: skip
+
+
+def dgrad_return_inputs(mesh, num_local, slots, d_model, d_ff, num_sides=0, seed=0):
+    """Random (d_gate_up, w_gate, w_up) in bf16 for dgrad_return_fn and `num_sides` sides, f32
+    [S, 4] (the layer's: the routing weights' gradient), placed on `mesh`."""
     num_devices = mesh.devices.size
-    keys = jax.random.split(jax.random.key(seed), 3)
+    keys = jax.random.split(jax.random.key(seed), 3 + num_sides)
     d_gate_up = jax.random.normal(keys[0], (num_devices * slots, 2 * d_ff))
     w = [jax.random.normal(k, (num_devices * num_local, d_model, d_ff)) / d_ff**0.5
-         for k in keys[1:]]  # fmt: skip
-    put = lambda a: jax.device_put(a.astype(jnp.bfloat16), jax.NamedSharding(mesh, P(AXIS)))  # noqa: E731
-    return put(d_gate_up), *(put(a) for a in w)
+         for k in keys[1:3]]  # fmt: skip
+    sides = [jax.random.normal(k, (num_devices * slots, 4)) for k in keys[3:]]
+    put = lambda a: jax.device_put(a, jax.NamedSharding(mesh, P(AXIS)))  # noqa: E731
+    return (*(put(a.astype(jnp.bfloat16)) for a in (d_gate_up, *w)), *(put(a) for a in sides))
 
 
 def test_dgrad_return_lowers_for_cuda_inside_shard_map_on_8_devices():
     """One kernel for the input gradient (the weights read as two parts along K) and its
-    return, its peers addressed through XLA's collective metadata, its counters one set for
-    the kernel; bad arguments raise."""
+    return with the routing weights' gradient, its peers addressed through XLA's collective
+    metadata, its counters one set for the kernel; bad arguments raise."""
     from pallas_kernels.grouped_matmul import mosaic_gpu as grouped
 
     num_devices, num_local, num_rows, window, tile = 8, 4, 512, 640, 64
     d_model, d_ff = 2048, 768
     mesh = jax.make_mesh((num_devices,), (AXIS,))
     body, slots = dgrad_return_fn(num_local, num_rows, window, tile, copy_programs=16)
-    specs = dict(mesh=mesh, in_specs=(P(AXIS),) * 3 + (P(), P()), out_specs=(P(AXIS),) * 2)
-    fn = jax.jit(jax.shard_map(body, **specs))
+    fn = jax.jit(jax.shard_map(body, **dgrad_return_specs(mesh, num_sides=1)))
     sharded = lambda shape, dtype, spec: jax.ShapeDtypeStruct(  # noqa: E731
         shape, dtype, sharding=jax.NamedSharding(mesh, spec)
     )
@@ -1031,22 +1040,28 @@ def test_dgrad_return_lowers_for_cuda_inside_shard_map_on_8_devices():
         w_type,
         sharded((num_devices, num_devices * num_local), jnp.int32, P()),
         sharded((), jnp.int32, P()),
+        sharded((num_devices * slots, 4), jnp.float32, P(AXIS)),
     )
     text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
     assert "uses_xla_collective_metadata = true" in text
     assert "skip_device_barrier = false" in text
     assert re.search(
-        rf"-> \(tensor<{slots}x{d_model}xbf16>, tensor<{num_rows}x{d_model}xbf16>", text
+        rf"-> \(tensor<{slots}x{d_model}xbf16>, tensor<{num_rows}x{d_model}xbf16>, "
+        rf"tensor<{num_rows}x4xf32>",
+        text,
     )
     block_m = grouped.programs_config("dgrad", n=d_model, dtype=jnp.bfloat16).block_m
     counters = pl.cdiv(slots, block_m) + num_local + 1
     assert re.search(rf"dims = \[\] : \(tensor<i32>\) -> tensor<{counters}xi32>", text)
     assert_no_operand_can_share_the_counters(text)
-    # d_gate_up narrower than the two weights' 2F: refused.
+    # d_gate_up narrower than the two weights' 2F, or a side of other rows: refused.
     bad = (sharded((num_devices * slots, d_ff), jnp.bfloat16, P(AXIS)), *args[1:])
     with pytest.raises(ValueError, match="2F"):
         fn.trace(*bad)
+    short = sharded((num_devices * (slots - 8), 4), jnp.float32, P(AXIS))
+    with pytest.raises(ValueError, match="side rows"):
+        fn.trace(*args[:-1], short)
 
 
 @pytest.mark.gpu
@@ -1057,9 +1072,9 @@ def test_dgrad_return_lowers_for_cuda_inside_shard_map_on_8_devices():
 def test_gpu_dgrad_return_gives_the_bits_of_the_separate_kernels(
     num_local, num_rows, window, tile, copy_programs
 ):
-    """The overlapped kernel's input gradient (every slot) and returned rows (every row of
-    the round, on every device) are those of the transposed gmm then send_rows, bit for bit,
-    round by round."""
+    """The overlapped kernel's input gradient (every slot) and returned rows with their side
+    (the layer's routing weights' gradient; every row of the round, on every device) are
+    those of the transposed gmm then send_rows for each, bit for bit, round by round."""
     devices = jax.devices()
     mesh = jax.make_mesh((len(devices),), (AXIS,), devices=devices)
     d_model, d_ff = 2048, 768
@@ -1067,7 +1082,7 @@ def test_gpu_dgrad_return_gives_the_bits_of_the_separate_kernels(
     t = exchange.traffic(jnp.asarray(counts_se), num_local)
     rounds = int(exchange.window_rounds(t, window))
     slots = xp.num_tiles(window, tile, num_local) * tile
-    specs = dict(mesh=mesh, in_specs=(P(AXIS),) * 3 + (P(), P()), out_specs=(P(AXIS),) * 2)
+    specs = dgrad_return_specs(mesh, num_sides=1)
     runs = [
         jax.jit(jax.shard_map(
             dgrad_return_fn(num_local, num_rows, window, tile, copy_programs=c)[0], **specs
@@ -1076,9 +1091,11 @@ def test_gpu_dgrad_return_gives_the_bits_of_the_separate_kernels(
     ]  # fmt: skip
     put = lambda a: jax.device_put(jnp.asarray(a), jax.NamedSharding(mesh, P()))  # noqa: E731
     for r in range(rounds):
-        inputs = dgrad_return_inputs(mesh, num_local, slots, d_model, d_ff, seed=r)
-        (d_buffer, d_x), (want_buffer, want_x) = (
-            run(*inputs, put(counts_se), put(jnp.int32(r))) for run in runs
+        *inputs, side = dgrad_return_inputs(mesh, num_local, slots, d_model, d_ff, num_sides=1,
+                                            seed=r)  # fmt: skip
+        (d_buffer, d_x, (d_side,)), (want_buffer, want_x, (want_side,)) = (
+            run(*inputs, put(counts_se), put(jnp.int32(r)), side) for run in runs
         )
         chex.assert_trees_all_equal(d_buffer, want_buffer)
         assert_round_rows_equal(d_x, want_x, t, r, num_rows, window, tile)
+        assert_round_rows_equal(d_side, want_side, t, r, num_rows, window, tile)
