@@ -171,8 +171,8 @@ class MoEConfig:
         copies run as kernels of their own, on every SM. y and dx do not depend on it.
         Default 24: on one H200, at qwen3_30b_a3b's round with an EP > 1 buffer, the
         forward's two kernels took 1.53 ms at 24, 1.66 at 16 and 1.71 as separate kernels
-        (bench/results/2026-12-01_exchange_tail_h200_s13/); the layer's forward+backward on
-        a 1-device mesh, 5.92 ms at 24 and 6.22 separate (one call, session 15,
+        (bench/results/2026-12-01_exchange_tail_h200_s13/); the layer's backward (with the
+        routing) on a 1-device mesh, 5.92 ms at 24 and 6.22 separate (one call, session 15,
         bench/results/2026-12-01_exchange_backward_h200_s15/); across GPUs, where the copies
         cost more, not yet timed.
       token_chunk: tokens per step of the token-wise stages (routing, combine, shared experts),

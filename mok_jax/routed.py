@@ -19,7 +19,10 @@ device, so y and dx are the bits of the single-device `fused` implementation.
 The round count depends on the routing, so the loop is a `while_loop`, which reverse-mode
 autodiff cannot go through. `routed_experts` is therefore a `custom_vjp`: the backward runs the
 same rounds, recomputing each round's forward under `jax.vjp` (memory stays one round's worth)
-and adding the rounds' weight gradients in round order, in f32.
+and adding the rounds' weight gradients in round order, in f32. With kernel "fused" the
+backward reads nothing of that forward (`pallas_kernels.exchange.ops` saves the rows and
+dispatches them again inside the backward's first GEMM's kernel): it is dead code, which XLA
+drops (session 15 counted the compiled kernels).
 """
 
 from __future__ import annotations
@@ -60,9 +63,6 @@ class RoutedSpec:
         run the dispatch's and the return's copies, and of the backward's first and last GEMMs'
         kernels that run the backward's dispatch and the input gradient's return (0: each is a
         kernel of its own; `MoEConfig`).
-      recomputing: the backward's re-run forward (set by `_rounds_bwd`), of which the
-        backward reads nothing (it dispatches the rows again itself, inside its first GEMM's
-        kernel): its kernels are the separate ones, for XLA to drop.
     """
 
     axis: str | None
@@ -77,7 +77,6 @@ class RoutedSpec:
     recompute: FusedRecompute = "gmm"
     exchange_tile: int = 64
     exchange_programs: int = 24
-    recomputing: bool = False
 
 
 def _me(spec: RoutedSpec) -> Array:
@@ -180,10 +179,7 @@ def _fused_round(r, rows, weights, plan, spec: RoutedSpec) -> Array:
             tile=tile,
             axis_name=spec.axis,
             recompute=spec.recompute,
-            # The backward's re-run forward (dead: the backward dispatches the rows itself)
-            # in separate kernels; the backward's own copies run inside its GEMMs' kernels.
-            copy_programs=0 if spec.recomputing else spec.exchange_programs,
-            grad_copy_programs=spec.exchange_programs,
+            copy_programs=spec.exchange_programs,
             interpret=jax.default_backend() == "cpu",
         )
 
@@ -288,11 +284,6 @@ def _rounds_fwd(rows, weights, t, rounds, spec):
 
 def _rounds_bwd(spec, residuals, g_nd):
     rows, weights, t, rounds = residuals
-    if spec.kernel == "fused":
-        # The backward reads nothing of the re-run forward (`exchange.ops` dispatches the
-        # rows again inside its first GEMM's kernel): its kernels, the separate ones, are
-        # dead code for XLA to drop.
-        spec = dataclasses.replace(spec, recomputing=True)
     round_fn, _, round_n = _plan_rounds(t, _num_rows(rows), spec)
 
     def round_vjp(r):

@@ -72,7 +72,7 @@ MAX_BOX_ROWS = 64
 STAGE_BYTES = 64 * 1024
 
 
-# A copier's stages in the overlapped dispatch (the rows' and the side's): 3 copiers a
+# A copier's stages in the overlapped kernels (one a kind of row, `_stage_kinds`): 3 copiers a
 # program share the streaming multiprocessor's 227 KiB of shared memory.
 COPIER_BYTES = 72 * 1024
 
@@ -105,6 +105,11 @@ def _stage_kinds(
             kinds.append(kind)
         kind_of.append(kinds.index(kind))
     return tuple(kinds), tuple(kind_of)
+
+
+def _check_sides(sides) -> None:
+    if not isinstance(sides, tuple | list):
+        raise TypeError(f"sides must be a tuple of arrays, got {type(sides).__name__}")
 
 
 def _dispatch_boxes(kinds: tuple[tuple[int, jnp.dtype], ...]) -> tuple[int, ...]:
@@ -505,9 +510,10 @@ def _dispatch_gemm_kernel(
 ):
     # The sides, the tables, the GEMM's weights, then the outputs: the buffer, the sides'
     # rows, the GEMM's.
-    side_refs, (tables_ref, *refs) = refs[:num_sides], refs[num_sides:]
-    weight_refs, (buffer_ref, *refs) = refs[: -2 - num_sides], refs[-2 - num_sides :]
-    side_out_refs, gemm_out_ref = refs[:num_sides], refs[num_sides]
+    num_weights = len(refs) - 2 * num_sides - 3
+    side_refs, tables_ref = refs[:num_sides], refs[num_sides]
+    weight_refs = refs[num_sides + 1 : num_sides + 1 + num_weights]
+    buffer_ref, *side_out_refs, gemm_out_ref = refs[num_sides + 1 + num_weights :]
     (src_p_ref, dst_p_ref, size_p_ref, peer_p_ref, round_p_ref, counter_p_ref, count_ref,
      wait_ref, zero_dst_ref, zero_size_ref, zero_first_ref, zero_end_ref,
      round_ref) = packed.views(tables_ref, *_MOVES[:10], "zero_first_z", "zero_end_z",
@@ -546,9 +552,10 @@ def _dispatch_gemm_kernel(
         )
 
     # O3. Programs [0, copy_programs) copy, each of their warpgroups one copier with its own
-    #     stage: the zero ranges that count on tiles first (the padding inside the groups, which
-    #     the GEMMs wait for), then the round's copies, then the other zero ranges (past the
-    #     groups), copier i taking ranges and copies i, i + copiers, ... A copier never
+    #     stages (one a kind of row, shared by the arrays of that kind): the zero ranges that
+    #     count on tiles first (the padding inside the groups, which the GEMMs wait for), then
+    #     the round's copies, then the other zero ranges (past the groups), copier i taking
+    #     ranges and copies i, i + copiers, ... A copier never
     #     waits for anything but its own copies, and the copy programs come first in the grid,
     #     so they start before any GEMM program that waits for them.
     num_wg = config.num_consumers + 1
@@ -698,8 +705,9 @@ def dispatch_down_grad(
     the routing weight, bf16 [A, D], which d_w_down reads, and the forward's rows and their
     weights, which the backward recomputes from), and each GEMM tile starts once the rows it
     stores are in. Call inside `jax.shard_map` over `axis_name`."""
+    _check_sides(sides)
     return _dispatch_gemm(
-        "transposed", dy_ad, tuple(sides), moves, round_index, (w_down_gfd,), ("w_down",),
+        "transposed", dy_ad, sides, moves, round_index, (w_down_gfd,), ("w_down",),
         group_sizes_g, out_rows=out_rows, tile=tile, axis_name=axis_name,
         copy_programs=copy_programs, copy_stages=copy_stages,
     )  # fmt: skip
@@ -1003,6 +1011,7 @@ def dgrad_return(
     the row tiles storing its rows have completed (as `down_return`), and with it the
     piece's rows of each side [S, C] (a row a multiple of 16 bytes: the layer's is the
     routing weights' gradient, f32 [S, 4]), as `send_rows(side, back, ...)` does."""
+    _check_sides(sides)
     if (
         d_gate_up_s2f.ndim != 2
         or w_gate_gdf.ndim != 3
@@ -1014,7 +1023,7 @@ def dgrad_return(
         )
     return _gemm_return(
         "dgrad", d_gate_up_s2f, (w_gate_gdf, w_up_gdf), ("w_gate", "w_up"), group_sizes_g, back,
-        round_index, n=w_gate_gdf.shape[1], scale_s=None, sides=tuple(sides),
+        round_index, n=w_gate_gdf.shape[1], scale_s=None, sides=sides,
         out_rows=out_rows, axis_name=axis_name, copy_programs=copy_programs,
         copy_stages=copy_stages,
     )  # fmt: skip

@@ -303,7 +303,8 @@ def _dispatch_mlp_bwd(static, residuals, d_out):
         d_out,
         (x_nd, scale_n, w_gate, w_up, w_down, group_sizes, moves, round_index),
     )
-    # The copies back: each row's gradients from the slot it was copied to.
+    # d_x by its GEMM and its return, d_scale with it: each row's gradients from the slot it
+    # was copied to.
     d_x, d_scale = _dgrad_return(static, d_gate_up, d_scale_s, w_gate, w_up, group_sizes, back,
                                  round_index, num_rows)  # fmt: skip
     return d_x, d_scale, None, None, None, d_w_gate, d_w_up, d_w_down, None

@@ -136,18 +136,19 @@ def test_lowered_for_cuda_on_8_devices(layout):
     assert "sdy.manual_computation" in text
     # A round's forward: the dispatch overlapped with gate/up (one kernel), the down
     # projection overlapped with the return (one kernel); its backward the forward again
-    # (separate kernels, dead code: RoutedSpec.recomputing), the dispatch of the cotangent,
-    # the rows and their weights overlapped with g = dy @ w_down.T (one kernel), the GEMM
-    # gradients, the input gradient's GEMM overlapped with its return and the routing weights'
-    # gradient's (one kernel).
+    # (dead code, which XLA drops: the backward reads none of it), the dispatch of the
+    # cotangent, the rows and their weights overlapped with g = dy @ w_down.T (one kernel), the
+    # GEMM gradients, the input gradient's GEMM overlapped with its return and the routing
+    # weights' gradient's (one kernel).
     assert len(MOSAIC_GPU_CALL.findall(text)) >= 12
     # The overlapped dispatch: one kernel returns the buffer, its weights and h.
     assert OVERLAPPED_DISPATCH.search(text), "no kernel of dispatch and gate/up"
     assert OVERLAPPED_RETURN.search(text), "no kernel of the down projection and the return"
-    assert OVERLAPPED_COTANGENT.search(text), "no kernel of the cotangent's dispatch and g"
+    assert OVERLAPPED_COTANGENT.search(text), "no kernel of the backward's dispatch and g"
     assert OVERLAPPED_INPUT_GRAD.search(text), "no kernel of the input gradient and its return"
-    # Two of each, round 0's and the rounds loop's: the backward's re-run forward runs the
-    # separate kernels (RoutedSpec.recomputing; else 4 of the forward's).
+    # The backward's kernels twice, round 0's and the rounds loop's; the forward's at least
+    # twice (the backward's re-run forward is dead code: JAX's tracing drops part of it, 3 of
+    # each in jax 0.11.2, and XLA the rest).
     overlapped = (
         OVERLAPPED_DISPATCH,
         OVERLAPPED_RETURN,
@@ -155,7 +156,7 @@ def test_lowered_for_cuda_on_8_devices(layout):
         OVERLAPPED_INPUT_GRAD,
     )
     kernels = [len(k.findall(text)) for k in overlapped]
-    assert kernels == [2, 2, 2, 2], kernels
+    assert kernels[2:] == [2, 2] and kernels[0] == kernels[1] >= 2, kernels
     assert "uses_xla_collective_metadata = true" in text
     for collective in ("ragged_all_to_all", "all_to_all", "collective_permute"):
         assert not re.search(rf"stablehlo\.{collective}\b", text), collective
@@ -169,8 +170,8 @@ def test_lowered_for_cuda_on_8_devices(layout):
         assert not OVERLAPPED_COTANGENT.search(text)
         assert not OVERLAPPED_INPUT_GRAD.search(text)
         # recompute "kernel": its first backward GEMM also recomputes gate and up, and the
-        # backward's dispatch is kernels of their own; the input gradient still returns inside
-        # its GEMM's kernel.
+        # backward's dispatch runs in kernels of their own; the input gradient still returns
+        # inside its GEMM's kernel.
         fused_bwd = dataclasses.replace(cfg, fused_recompute="kernel")
         text = lowered_with_kernels(x, params, cotangent, fused_bwd, mesh)
         assert OVERLAPPED_DISPATCH.search(text)

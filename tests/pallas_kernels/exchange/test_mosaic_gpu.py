@@ -373,7 +373,7 @@ def test_zero_rows_in_interpret_mode():
     chex.assert_trees_all_equal(np.asarray(run(x, dst, sizes)), want)
 
 
-def test_stage_rows():
+def test_stage_rows_kinds_and_sides():
     assert mosaic_gpu.stage_rows(256, 2) == 64  # 32 KiB
     assert mosaic_gpu.stage_rows(2048, 2) == 16  # 64 KiB
     assert mosaic_gpu.stage_rows(2048, 4) == 8
@@ -388,6 +388,14 @@ def test_stage_rows():
     assert mosaic_gpu._dispatch_boxes(((2048, bf16),)) == (16,)
     assert mosaic_gpu._dispatch_boxes(((7168, bf16), (4, f32))) == (4, 64)
     assert mosaic_gpu._dispatch_boxes(((2048, bf16), (2048, f32))) == (8, 4)
+    # Sides given as one array, not a tuple of them: refused before anything reads them.
+    rows = jnp.zeros((8, 2048), jnp.bfloat16)
+    with pytest.raises(TypeError, match="tuple of arrays"):
+        mosaic_gpu.dispatch_down_grad(rows, rows, None, None, None, None, out_rows=8, tile=8,
+                                      axis_name=AXIS)  # fmt: skip
+    with pytest.raises(TypeError, match="tuple of arrays"):
+        mosaic_gpu.dgrad_return(rows, None, None, None, None, None, sides=rows, out_rows=8,
+                                axis_name=AXIS)  # fmt: skip
     # Stages of no rows: refused (2 rows of 7168 bf16 cannot be split in 4).
     with pytest.raises(ValueError, match="copy_stages=4"):
         mosaic_gpu._stage_smem((), 2, 7168, jnp.bfloat16, 4)
@@ -757,12 +765,12 @@ def test_dispatch_down_grad_lowers_for_cuda_inside_shard_map_on_8_devices(copy_s
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "num_local,num_rows,window,tile,copy_programs,num_sides",
-    [(4, 4096, 3072, 64, 16, 1), (4, 4096, 3072, 64, 16, 3), (3, 200, 96, 8, 1, 3),
-     (8, 4096, 6144, 64, 64, 3)],
+    "num_local,num_rows,window,tile,copy_programs,num_sides,copy_stages",
+    [(4, 4096, 3072, 64, 16, 1, 1), (4, 4096, 3072, 64, 16, 3, 1), (3, 200, 96, 8, 1, 3, 1),
+     (8, 4096, 6144, 64, 64, 3, 1), (3, 200, 96, 8, 1, 3, 4)],
 )  # fmt: skip
 def test_gpu_dispatch_down_grad_gives_the_bits_of_the_separate_kernels(
-    num_local, num_rows, window, tile, copy_programs, num_sides
+    num_local, num_rows, window, tile, copy_programs, num_sides, copy_stages
 ):
     """The overlapped kernel's dy, its sides (the layer's: dy_down, x and the weights, three
     arrays in two kinds of stage) and g are those of send_rows (for each) then the
@@ -776,7 +784,8 @@ def test_gpu_dispatch_down_grad_gives_the_bits_of_the_separate_kernels(
     specs = dispatch_down_grad_specs(mesh, num_sides)
     runs = [
         jax.jit(jax.shard_map(
-            dispatch_down_grad_fn(num_local, num_rows, window, tile, copy_programs=c)[0], **specs
+            dispatch_down_grad_fn(num_local, num_rows, window, tile, copy_programs=c,
+                                  copy_stages=copy_stages)[0], **specs
         ))
         for c in (copy_programs, 0)
     ]  # fmt: skip
@@ -970,7 +979,7 @@ def test_gpu_down_return_gives_the_bits_of_the_separate_kernels(
 
 
 # ---------------------------------------------------------------------------------------------
-# The input gradient overlapped with its return (`dgrad_return`; not yet in the layer).
+# The input gradient overlapped with its return (`dgrad_return`).
 
 
 def dgrad_return_fn(num_local, num_rows, window, tile, *, copy_programs: int):

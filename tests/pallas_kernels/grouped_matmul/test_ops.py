@@ -211,13 +211,15 @@ def test_swiglu_mlp_grads_from_g_give_the_bits_of_the_recomputing_backward(weigh
     assert not np.array_equal(np.asarray(other[0], np.float32), np.asarray(want[0], np.float32))
 
 
+@pytest.mark.parametrize("case", [0, 1])
 @pytest.mark.parametrize("recompute", [*ops.RECOMPUTES, "from_g"])
-def test_swiglu_mlp_grads_without_the_input_grad_hand_back_its_gemm_operand(recompute):
+def test_swiglu_mlp_grads_without_the_input_grad_hand_back_its_gemm_operand(recompute, case):
     """input_grad=False: the first output is [d_gate | d_up] ([M, 2F]), from which
-    swiglu_input_grad gives d_lhs bit for bit; the other gradients are unchanged."""
+    swiglu_input_grad gives d_lhs bit for bit; the other gradients are unchanged (case 0: an
+    empty group and rows past the groups)."""
     from pallas_kernels.grouped_matmul import mosaic_gpu
 
-    t = _inputs(*CASES[1])
+    t = _inputs(*CASES[case])
     weights = (t["w"], t["w2"], t["w_t"])
     args = (t["x"], *weights, t["sizes"], t["scale"])
     if recompute == "from_g":
