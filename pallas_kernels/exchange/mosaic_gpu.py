@@ -50,6 +50,13 @@ bodies):
      counted (session 13: rows [13, 26) of a return zeroed after 13 arrivals). The same
      holds for the overlapped kernels (dispatch_swiglu, dispatch_down_grad, down_return,
      dgrad_return).
+  6. Rows move through the async proxy (bulk copies, the GEMMs' TMA loads and stores), the
+     counters through the generic one (release-ordered signals, acquire-ordered waits). Each
+     crossing has its proxy fence (`fence.proxy.async.global`): a signal that follows stores
+     comes after their completion and a fence (`_signal_stored`), and loads of rows another
+     block or device stored come after the wait and a fence (`_wait_to_load`). The PTX
+     memory model orders the two proxies only through such fences; no run on one GPU has
+     shown a stale row without them (session 16 added them, for rows written over NVLink).
 """
 
 from __future__ import annotations
@@ -61,6 +68,7 @@ import jax
 import jax.numpy as jnp
 from jax import Array, lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.exchange.moves import Moves
@@ -107,9 +115,42 @@ def _stage_kinds(
     return tuple(kinds), tuple(kind_of)
 
 
-def _check_sides(sides) -> None:
+def _check_sides(sides, rows: int, of: str) -> None:
+    """Raises TypeError unless `sides` is a tuple (or list) of arrays, and ValueError unless
+    each is [rows, C] (`of`: whose rows those are, for the message)."""
     if not isinstance(sides, tuple | list):
         raise TypeError(f"sides must be a tuple of arrays, got {type(sides).__name__}")
+    for side in sides:
+        if side.ndim != 2 or side.shape[0] != rows:
+            raise ValueError(f"side rows {side.shape} must match {of}")
+
+
+def _async_proxy_fence() -> None:
+    """fence.proxy.async.global (invariant 6): orders this warpgroup's generic-proxy accesses
+    to global memory with its async-proxy ones, either way."""
+
+    @plgpu.inline_mgpu()
+    def fence(_ctx):
+        mgpu.utils.inline_ptx("fence.proxy.async.global;", has_side_effects=True)
+
+    fence()
+
+
+def _signal_stored(sem, device_id=None) -> None:
+    """Counts on `sem` (a peer's with `device_id`) rows whose stores have completed: the
+    proxy fence, then the release-ordered signal (invariants 2 and 6)."""
+    _async_proxy_fence()
+    if device_id is None:
+        pl.semaphore_signal(sem)
+    else:
+        pl.semaphore_signal(sem, device_id=device_id)
+
+
+def _wait_to_load(sem, value) -> None:
+    """Returns once `sem` has counted `value` (not decremented), ready for bulk loads of the
+    rows it counts: the acquire-ordered wait, then the proxy fence (invariant 6)."""
+    pl.semaphore_wait(sem, value, decrement=False)
+    _async_proxy_fence()
 
 
 def _dispatch_boxes(kinds: tuple[tuple[int, jnp.dtype], ...]) -> tuple[int, ...]:
@@ -394,11 +435,7 @@ def _send_rows_kernel(
             dst_ref = out_ref if local else plgpu.remote_ref(out_ref, peer)
             # 2. The rows have landed before the counter counts the copy.
             stage.copy(src_ref, dst_ref, src_p_ref[p], dst_p_ref[p], size_p_ref[p])
-            sem = counters.at[counter_p_ref[p]]
-            if local:
-                pl.semaphore_signal(sem)
-            else:
-                pl.semaphore_signal(sem, device_id=peer)
+            _signal_stored(counters.at[counter_p_ref[p]], None if local else peer)
 
     # 2. This device's zero ranges (rows no copy lands in, disjoint from the copies' rows),
     #    range z by block z % num_blocks, from the stage filled with zeros once the block's
@@ -530,7 +567,7 @@ def _dispatch_gemm_kernel(
 
         @pl.loop(first // tile, (end + tile - 1) // tile)
         def _wait(c):
-            pl.semaphore_wait(counters.at[c], wait_ref[c], decrement=False)
+            _wait_to_load(counters.at[c], wait_ref[c])
 
     # O2. Programs [copy_programs, copy_programs + gemm_programs) run the GEMM's tiles on the
     #     buffer (gmm_swiglu's, or the transposed gmm's), each tile once the rows it stores
@@ -594,7 +631,7 @@ def _dispatch_gemm_kernel(
                             # The range's tiles that a GEMM tile reads for its stored rows.
                             @pl.loop(first, end)
                             def _signal(c):
-                                pl.semaphore_signal(counters.at[c])
+                                _signal_stored(counters.at[c])
 
             zeros(signalled=True)
 
@@ -607,11 +644,7 @@ def _dispatch_gemm_kernel(
                     for src, dst, kind in zip(srcs, dsts, kind_of, strict=True):
                         dst = dst if local else plgpu.remote_ref(dst, peer)
                         stages[kind].copy(src, dst, *rows)
-                    sem = counters.at[counter_p_ref[p]]
-                    if local:
-                        pl.semaphore_signal(sem)
-                    else:
-                        pl.semaphore_signal(sem, device_id=peer)
+                    _signal_stored(counters.at[counter_p_ref[p]], None if local else peer)
 
             # Last, the ranges no GEMM tile waits for (past the groups, where half the buffer
             # may lie): the stages are free again, each copy having waited for its stores.
@@ -671,6 +704,7 @@ def dispatch_swiglu(
     and h is `gmm_swiglu(buffer, w_gate, w_up, group_sizes_g)`, bit for bit; rows no copy or
     zero range fills are unspecified (h's past the groups are zeros). Call inside
     `jax.shard_map` over `axis_name`."""
+    _check_sides((side_ac,), src_ad.shape[0], f"the rows {src_ad.shape}")
     buffer, (side,), h = _dispatch_gemm(
         "swiglu", src_ad, (side_ac,), moves, round_index, (w_gate_gdf, w_up_gdf),
         ("w_gate", "w_up"), group_sizes_g, out_rows=out_rows, tile=tile, axis_name=axis_name,
@@ -705,7 +739,7 @@ def dispatch_down_grad(
     the routing weight, bf16 [A, D], which d_w_down reads, and the forward's rows and their
     weights, which the backward recomputes from), and each GEMM tile starts once the rows it
     stores are in. Call inside `jax.shard_map` over `axis_name`."""
-    _check_sides(sides)
+    _check_sides(sides, dy_ad.shape[0], f"dy's rows {dy_ad.shape}")
     return _dispatch_gemm(
         "transposed", dy_ad, sides, moves, round_index, (w_down_gfd,), ("w_down",),
         group_sizes_g, out_rows=out_rows, tile=tile, axis_name=axis_name,
@@ -735,16 +769,13 @@ def _dispatch_gemm(
     moves.check()
     _check_copy_stages(copy_stages)
     gmm_kernel._check_inputs(src_ad, weights, group_sizes_g, weight_names)
-    num_src, d_model = src_ad.shape
+    d_model = src_ad.shape[1]
     transposed = gemm == "transposed"
     k_axis, n = (2, weights[0].shape[1]) if transposed else (1, weights[0].shape[2])
     if weights[0].shape[k_axis] != d_model:
         raise ValueError(
             f"the rows' D={d_model} must equal {weight_names[0]}'s (shape {weights[0].shape})"
         )
-    for side in sides:
-        if side.ndim != 2 or side.shape[0] != num_src:
-            raise ValueError(f"side rows {side.shape} must match src rows {src_ad.shape}")
     num_counters = moves.arrivals_c.shape[0]
     if num_counters * tile != out_rows:
         raise ValueError(f"{num_counters} counters of {tile} rows must cover out_rows={out_rows}")
@@ -859,7 +890,7 @@ def _gemm_return_kernel(
     @pl.when(program >= copy_programs)
     def _gemm():
         def after_tile(mi):
-            pl.semaphore_signal(counters.at[mi])
+            _signal_stored(counters.at[mi])
 
         gmm_kernel.programs_body(
             gemm,
@@ -900,16 +931,13 @@ def _gemm_return_kernel(
                 def _send():
                     @pl.loop(first_p_ref[p], end_p_ref[p])
                     def _wait(t):
-                        pl.semaphore_wait(counters.at[t], tile_signals, decrement=False)
+                        _wait_to_load(counters.at[t], tile_signals)
 
                     peer = {axis_name: peer_p_ref[p]}
                     for src, dst, kind in zip(srcs, dsts, kind_of, strict=True):
                         dst = dst if local else plgpu.remote_ref(dst, peer)
                         stages[kind].copy(src, dst, src_p_ref[p], dst_p_ref[p], size_p_ref[p])
-                    if local:
-                        pl.semaphore_signal(arrived)
-                    else:
-                        pl.semaphore_signal(arrived, device_id=peer)
+                    _signal_stored(arrived, None if local else peer)
 
             @pl.when(copier < num_zeros)
             def _zeros():
@@ -1011,7 +1039,7 @@ def dgrad_return(
     the row tiles storing its rows have completed (as `down_return`), and with it the
     piece's rows of each side [S, C] (a row a multiple of 16 bytes: the layer's is the
     routing weights' gradient, f32 [S, 4]), as `send_rows(side, back, ...)` does."""
-    _check_sides(sides)
+    _check_sides(sides, d_gate_up_s2f.shape[0], f"the slots {d_gate_up_s2f.shape}")
     if (
         d_gate_up_s2f.ndim != 2
         or w_gate_gdf.ndim != 3
@@ -1063,9 +1091,6 @@ def _gemm_return(
     part_k = lhs_sk.shape[1] // len(weights)
     if part_k % config.block_k:
         raise ValueError(f"each rhs part's K={part_k} must be a multiple of {config.block_k}")
-    for side in sides:
-        if side.ndim != 2 or side.shape[0] != num_slots:
-            raise ValueError(f"side rows {side.shape} must match the slots {lhs_sk.shape}")
     programs = tuning.persistent_grid_size()
     if not 0 < copy_programs < programs:
         raise ValueError(
