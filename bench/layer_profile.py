@@ -12,10 +12,11 @@ sum(y * cotangent), as in bench/fused_probe.py), after warm-up, records `iters` 
 jax.profiler, reads the device's kernel events back from the trace (jax.profiler.ProfileData)
 and charges each kernel to the layer stage its HLO instruction came from: the named scope
 (route, plan, dispatch, experts, combine, aux) in the instruction's op_name metadata of the
-compiled module. Writes DIR/layer_profile.json and DIR/layer_profile.md: per stage, the kernel
-milliseconds per call and the kernel count per call, the wall span per call (first kernel
-start to last kernel end over all the calls, host gaps between them included, divided by the
-number of calls), and the top kernels. XLA runs most kernels inside command buffers
+compiled module (whose end each kernel's record keeps, as `op`). Writes
+DIR/layer_profile.json and DIR/layer_profile.md: per stage, the kernel milliseconds per call
+and the kernel count per call, the wall span per call (first kernel start to last kernel end
+over all the calls, host gaps between them included, divided by the number of calls), the
+top kernels, and in the JSON every kernel. XLA runs most kernels inside command buffers
 (CUDA graphs), one event each with no stage: --no-command-buffers turns them off, so that
 every kernel is named and staged (at the cost of its launch). Runs on a CPU too (the host's
 XLA thunks stand in for kernels), which is what its test does.
@@ -72,6 +73,7 @@ class Kernel:
     stage: str
     total_ns: float
     count: int
+    op: str = ""  # the end of its op_name: which jax operation (or Pallas kernel) it came from
 
 
 def stage_of_instructions(hlo_text: str) -> dict[str, str]:
@@ -82,6 +84,12 @@ def stage_of_instructions(hlo_text: str) -> dict[str, str]:
         found = _STAGE.search(op_name)
         stages[name] = found.group(1) if found else OTHER
     return stages
+
+
+def op_of_instructions(hlo_text: str, *, chars: int = 160) -> dict[str, str]:
+    """HLO instruction name -> the last `chars` characters of its op_name (the jax operations
+    it came from: which of a mesh's several Mosaic GPU kernels an mpmd_map is, say)."""
+    return {name: op_name[-chars:] for name, op_name in _INSTRUCTION.findall(hlo_text)}
 
 
 def _device_events(xspace_path: str, module: str):
@@ -111,7 +119,7 @@ def profile_calls(fn: Callable, args: Sequence, *, iters: int, warmup: int = 2) 
     compiled = jitted.lower(*args).compile()
     hlo_text = compiled.as_text()
     module = re.search(r"^HloModule ([\w.\-]+)", hlo_text, re.MULTILINE).group(1)
-    stages = stage_of_instructions(hlo_text)
+    stages, ops = stage_of_instructions(hlo_text), op_of_instructions(hlo_text)
     for _ in range(warmup):
         jax.block_until_ready(compiled(*args))
     with tempfile.TemporaryDirectory() as trace_dir:
@@ -128,7 +136,9 @@ def profile_calls(fn: Callable, args: Sequence, *, iters: int, warmup: int = 2) 
         counts[op] += 1
     kernels = sorted(
         (
-            Kernel(op, stages.get(op, OTHER), totals[op] / iters, counts[op] // iters)
+            Kernel(
+                op, stages.get(op, OTHER), totals[op] / iters, counts[op] // iters, ops.get(op, "")
+            )
             for op in totals
         ),
         key=lambda k: -k.total_ns,
@@ -146,6 +156,7 @@ def profile_calls(fn: Callable, args: Sequence, *, iters: int, warmup: int = 2) 
         "kernels_per_call": sum(k.count for k in kernels),
         "stages": {s: per_stage[s] for s in (*STAGES, OTHER) if s in per_stage},
         "top": [dataclasses.asdict(k) for k in kernels[:15]],
+        "kernels": [dataclasses.asdict(k) for k in kernels],
     }
 
 
@@ -208,8 +219,10 @@ def render(records: Sequence[dict]) -> str:
         )
         lines.append("")
         for k in r["top"][:8]:
+            op = k.get("op", "")[-60:]
             lines.append(
                 f"- {k['stage']}: `{k['name']}` {k['total_ns'] / 1e6:.3f} ms x{k['count']}"
+                + (f" (`{op}`)" if op else "")
             )
         lines.append("")
     return "\n".join(lines)

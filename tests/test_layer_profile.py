@@ -17,6 +17,8 @@ HLO = """HloModule jit_fwd, entry_computation_layout={}
 def test_stages_come_from_the_op_names_and_their_transposes():
     stages = layer_profile.stage_of_instructions(HLO)
     assert stages == {"fusion.1": "route", "custom-call.2": "combine", "copy.3": "other"}
+    ops = layer_profile.op_of_instructions(HLO, chars=8)
+    assert ops == {"fusion.1": "oute/exp", "custom-call.2": "ne))/mul", "copy.3": "erts/neg"}
 
 
 def test_profiled_calls_charge_their_kernels_to_the_named_stages():
@@ -36,6 +38,9 @@ def test_profiled_calls_charge_their_kernels_to_the_named_stages():
     assert all(stage["kernels"] >= 1 for stage in result["stages"].values())
     assert result["kernels_per_call"] == sum(s["kernels"] for s in result["stages"].values())
     assert result["span_ms"] > 0
+    # Every kernel is kept, with the jax operations it came from.
+    assert len(result["kernels"]) >= len(result["top"])
+    assert sum(k["count"] for k in result["kernels"]) == result["kernels_per_call"]
 
 
 def test_the_table_shows_each_calls_kernel_time_once():
