@@ -16,14 +16,19 @@ The model (per device, per direction; the device that receives the most rows set
                                                     backward sends x rows again, then dy
     ragged_all_to_all: C + rounds * n_c * lat + rho * (d + r) * a / (link * eta_link)
     ring:      C_tok + c + (P-1) * max(c, hop) + return hop    (c = C_row / P)
-    fused:     C_tok + fill + max(C_row + s * X, X) + drain     (X: the busiest link's bytes)
+    fused:     C_tok + fill + max(G_row / (1 - s), X) + M_row + drain   (X: the busiest link's
+                                                    bytes; G_row, M_row: C_row's GEMMs and
+                                                    memory passes)
 
 C_tok is the token-side work (route, combine, shared expert, loop overheads), C_row the
 row-side work (routed GEMMs and their memory passes, which scale with rho and can overlap
 the transfer), rounds = ceil(rho / buffer_factor), n_c the collectives a round (2 forward, 3
 backward), a the collective's time over the rows' bytes at the link's rate, hop one ring
-hop's fixed-shape chunks out and back plus n_c latencies, s the share of
-SMs the fused kernel gives to moving rows while rows move. eta_stream is a copy's measured
+hop's fixed-shape chunks out and back plus n_c latencies, s the share of the
+SMs the fused kernels' copy programs hold for the whole kernel (MoEConfig.exchange_programs
+over the H200's SMs): the rows move inside the routed GEMMs' kernels only, so those GEMMs run
+on the other SMs and the row-side memory passes (XLA kernels) do not hide the transfer.
+eta_stream is a copy's measured
 share of the HBM bandwidth (DESIGN.md). eta_gemm (forward and backward), eta_hbm and c_chunk
 are fitted to the fused layer's single-H200 times (bench/results/moe_layer_h200.json); eta_link
 comes from the two-H200 bandwidth rows (bench/results/multi_gpu_h200x2.json); everything else is a
@@ -77,6 +82,9 @@ def _config_default(name: str):
 DEFAULT_ROW_TILE: int = _config_default("row_tile")
 DEFAULT_BUFFER_FACTOR: float = _config_default("buffer_factor")
 DEFAULT_FUSED_RESIDUALS: Residuals = _config_default("fused_residuals")
+# The fused kernels' copy programs over the H200's streaming multiprocessors (132).
+H200_SMS = 132
+DEFAULT_COMM_SM_SHARE: float = _config_default("exchange_programs") / H200_SMS
 
 
 BF16_BYTES = 2.0
@@ -118,8 +126,12 @@ ASSUMPTIONS = {
         "not measured here (the two-H200 bandwidth rows are at one size only)"
     ),
     "comm_sm_share": (
-        "the fused kernel gives 15% of its SMs' time to moving rows while rows move: a design "
-        "parameter of the kernel still to be built, not measured"
+        "the fused kernels' copy programs hold their SMs for the whole kernel: 24 of the "
+        "H200's 132 (MoEConfig.exchange_programs), s = 0.18, and the same share on the GB300; "
+        "the routed GEMMs run on the rest, and the row-side memory passes (XLA kernels) do not "
+        "overlap the transfer. On one H200 (a 1-device mesh, 16384 tokens of qwen3) the "
+        "forward's two overlapped kernels took 2.82 ms against the bare GEMMs' 1.97: this "
+        "rule gives 2.41 (bench/results/2026-12-01_exchange_h200_s16/)"
     ),
     "efficiency_transfer": (
         "the GB300 reaches the same fractions of its published peaks (GEMM, HBM) as the fused "
@@ -400,20 +412,22 @@ class ExchangeConfig:
     Attributes:
       buffer_factor: receive buffer (and ring chunk) as a multiple of the balanced load
         (MoEConfig.buffer_factor, its default): rho beyond it costs rounds.
-      comm_sm_share: share of the SMs' time the fused kernel spends moving rows while rows
-        move (0 to 1).
+      comm_sm_share: share of the SMs the fused kernels' copy programs hold for the whole
+        kernel, in [0, 1) (MoEConfig.exchange_programs over the SMs: 24 of the H200's 132).
       a2a_bytes_factor: ragged_all_to_all's time over the time of the rows' bytes at the
         link's rate, as extra bytes (1: an ideal ragged collective; on two H200s XLA's
         ragged_all_to_all took 2.15x the dense all_to_all's time for the same bytes).
     """
 
     buffer_factor: float = DEFAULT_BUFFER_FACTOR
-    comm_sm_share: float = 0.15
+    comm_sm_share: float = DEFAULT_COMM_SM_SHARE
     a2a_bytes_factor: float = 1.0
 
     def __post_init__(self):
         _positive("buffer_factor", self.buffer_factor)
         _fraction("comm_sm_share", self.comm_sm_share, allow_zero=True)
+        if self.comm_sm_share == 1:
+            raise ValueError("comm_sm_share=1 leaves no SM to the GEMMs: it must be < 1")
         if not (math.isfinite(self.a2a_bytes_factor) and self.a2a_bytes_factor >= 1):
             raise ValueError(f"a2a_bytes_factor={self.a2a_bytes_factor!r} must be >= 1")
 
@@ -664,9 +678,10 @@ def ring_chunk_factor(w: Workload, cfg: ExchangeConfig) -> float:
 
 
 def fused(hw, w: Workload, cfg: ExchangeConfig, direction: Direction):
-    """Rows move tile by tile from inside the kernel while other SMs run GEMMs on arrived
-    tiles: the busiest link's time and the compute (slowed by the SMs that move rows)
-    overlap, but for the first tile's arrival and the last tile's return."""
+    """Rows move tile by tile from inside the routed GEMMs' kernels while the other SMs run
+    the GEMMs on arrived tiles: the busiest link's time and those GEMMs (on 1 - s of the
+    SMs) overlap, but for the first tile's arrival and the last tile's return; the row-side
+    memory passes run outside the kernels."""
     c = compute(hw, w, direction)
     if w.ep == 1:
         return _components(c, 0.0, 0.0)
@@ -680,7 +695,8 @@ def fused(hw, w: Workload, cfg: ExchangeConfig, direction: Direction):
     fill = tile * dispatch / hw.link_bytes_per_s + hw.latency_s
     drain = tile * back / hw.link_bytes_per_s + hw.latency_s
     body = link - (fill + drain - 2 * hw.latency_s)
-    routed = fill + max(c.row + cfg.comm_sm_share * body, body) + drain
+    gemms = c.row_gemm / (1 - cfg.comm_sm_share)
+    routed = fill + max(gemms, body) + c.row_memory + drain
     return _components(c, link, routed - c.row)
 
 
@@ -899,12 +915,13 @@ def fused_check(hw: Hardware, path: pathlib.Path = MULTI_GPU_RESULTS) -> list[di
         cfg = SCALING[row["case"]][0]
         shape = LayerShape.from_config(row["case"], cfg, row["tokens_per_device"])
         w = Workload(shape=shape, layout=Layout(expert=row["ep"]))
+        ex = fused_exchange_config(row["exchange"])
 
-        def model_ms(link_fraction: float, w: Workload = w) -> float:
+        def model_ms(link_fraction: float, w: Workload = w, ex: ExchangeConfig = ex) -> float:
             hw_at = dataclasses.replace(hw, link_efficiency=link_fraction)
-            return 1e3 * predict(hw_at, w, "fused", ExchangeConfig()).total
+            return 1e3 * predict(hw_at, w, "fused", ex).total
 
-        p = predict(dataclasses.replace(hw, link_efficiency=fraction), w, "fused", ExchangeConfig())
+        p = predict(dataclasses.replace(hw, link_efficiency=fraction), w, "fused", ex)
         measured = row["fwd_bwd_ms"]
         # The model's time falls as the link fraction grows: bisect for the measured time.
         lo, hi = 1e-4, 1.0
@@ -929,6 +946,15 @@ def fused_check(hw: Hardware, path: pathlib.Path = MULTI_GPU_RESULTS) -> list[di
             )
         )
     return out
+
+
+def fused_exchange_config(exchange: str) -> ExchangeConfig:
+    """The exchange config of a measured `fused` row: "fused@P" ran P copy programs of the
+    H200's SMs (bench/multi_gpu.py's label); plain "fused", the default."""
+    _, _, programs = exchange.partition("@")
+    if not programs:
+        return ExchangeConfig()
+    return ExchangeConfig(comm_sm_share=int(programs) / H200_SMS)
 
 
 def _as_slow_as(hw: Hardware, w: Workload, fwd_bwd_ms: float) -> Hardware:

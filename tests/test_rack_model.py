@@ -116,16 +116,39 @@ def test_more_link_bandwidth_is_never_slower(h200, low, high, ep, rho):
         assert fast.total <= slow.total * (1 + 1e-12)
 
 
-@given(fraction=fractions, ep=eps, rho=rhos, share=shares, dtype=st.sampled_from(rm.DTYPES))
-def test_fused_is_never_slower_than_the_unoverlapped_exchange(
-    h200, fraction, ep, rho, share, dtype
+@given(fraction=fractions, ep=eps, rho=rhos, dtype=st.sampled_from(rm.DTYPES))
+def test_fused_with_every_sm_on_the_gemms_is_never_slower_than_the_unoverlapped_exchange(
+    h200, fraction, ep, rho, dtype
 ):
     w = _workload(layout=rm.Layout(expert=ep), imbalance=min(rho, ep), dtype=dtype)
-    cfg = rm.ExchangeConfig(comm_sm_share=share)
+    cfg = rm.ExchangeConfig(comm_sm_share=0.0)
     fused = rm.predict(_rack(h200, fraction), w, "fused", cfg)
     a2a = rm.predict(_rack(h200, fraction), w, "ragged_all_to_all", cfg)
     assert fused.forward.total <= a2a.forward.total * (1 + 1e-12)
     assert fused.backward.total <= a2a.backward.total * (1 + 1e-12)
+
+
+@given(fraction=fractions, ep=eps, low=shares, high=shares)
+def test_more_sms_copying_is_never_faster_and_costs_the_gemms_at_most_their_share(
+    h200, fraction, ep, low, high
+):
+    """The copy programs hold their SMs for the whole kernel: the fused layer's time never
+    falls as they take more, and rises by at most the routed GEMMs' slowdown."""
+    low, high = sorted((min(low, 0.95), min(high, 0.95)))
+    w = _workload(layout=rm.Layout(expert=ep))
+    hw = _rack(h200, fraction)
+    slow = rm.predict(hw, w, "fused", rm.ExchangeConfig(comm_sm_share=high))
+    fast = rm.predict(hw, w, "fused", rm.ExchangeConfig(comm_sm_share=low))
+    assert fast.total <= slow.total * (1 + 1e-12)
+    row_gemm = sum(rm.compute(hw, w, d).row_gemm for d in rm.DIRECTIONS)
+    bound = row_gemm * (1 / (1 - high) - 1 / (1 - low))
+    assert slow.total - fast.total <= bound * (1 + 1e-9) + 1e-15
+
+
+def test_the_default_share_is_the_layers_copy_programs_on_the_h200():
+    assert rm.ExchangeConfig().comm_sm_share == pytest.approx(24 / 132)
+    with pytest.raises(ValueError, match="comm_sm_share"):
+        rm.ExchangeConfig(comm_sm_share=1.0)
 
 
 def test_components_add_up_and_imbalance_costs_rounds(h200):
@@ -317,7 +340,11 @@ def test_fused_check_finds_the_link_fraction_of_the_measured_time(report, h200):
     shape = rm.LayerShape.from_config(row["case"], cfg, row["tokens_per_device"])
     w = rm.Workload(shape=shape, layout=rm.Layout(expert=2))
     at = dataclasses.replace(h200, link_efficiency=row["implied_link_fraction"])
-    model_ms = 1e3 * rm.predict(at, w, "fused", rm.ExchangeConfig()).total
+    # Its 16 copy programs of the H200's 132 SMs.
+    ex = rm.fused_exchange_config(row["exchange"])
+    assert ex.comm_sm_share == pytest.approx(16 / 132)
+    assert rm.fused_exchange_config("fused") == rm.ExchangeConfig()
+    model_ms = 1e3 * rm.predict(at, w, "fused", ex).total
     assert model_ms == pytest.approx(row["measured_fwd_bwd_ms"], rel=1e-6)
     assert row["model_fwd_bwd_ms"] < row["measured_fwd_bwd_ms"]
     assert 0 < row["implied_link_fraction"] < row["link_fraction"]
