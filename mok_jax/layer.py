@@ -301,11 +301,16 @@ def _fused_exchange(
     weight in the down projection's epilogue, and the results come back the same way. Each
     row meets the kernels of `_fused_experts`, so y and dx are its bits on any mesh.
 
-    Status (2026-12-01): correct on the CPU (the exchange's all_gather spec, the GEMM kernels
-    in interpret mode) against the single-device result; the exchange kernel is correct on
-    one H200 (a 1-device mesh). The exchange and the GEMMs do not overlap yet (each round is
-    dispatch, GEMMs, return), and the backward recomputes a round's forward (fused_residuals
-    does not apply under a mesh).
+    Status (2026-12-01, session 16): correct on the CPU (the exchange's all_gather spec, the
+    GEMM kernels in interpret mode) against the single-device result, and on one H200 (a
+    1-device mesh, several rounds: y and dx bitwise equal to no mesh). With the defaults
+    (exchange_programs 24, fused_recompute "gmm") every copy runs inside a GEMM's kernel: two
+    kernels a round forward (dispatch + gate/up, down + return), and in the backward the
+    dispatch of the cotangent, the rows and their weights inside g = dy @ w_down.T's kernel and
+    the input gradient's return inside its GEMM's; the backward recomputes gate and up from
+    the rows it dispatches again (fused_residuals does not apply under a mesh). On one H200
+    the 1-device mesh costs 15-19 % over no mesh at 4096 tokens
+    (bench/results/2026-12-01_exchange_h200_s16/); not run across GPUs since session 12.
     """
     with jax.named_scope("dispatch"):
         x_nd = _dispatch(x_td, plan, cfg)

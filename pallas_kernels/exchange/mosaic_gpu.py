@@ -53,12 +53,15 @@ bodies):
      holds for the overlapped kernels (dispatch_swiglu, dispatch_down_grad, down_return,
      dgrad_return).
   6. Rows move through the async proxy (bulk copies, the GEMMs' TMA loads and stores), the
-     counters through the generic one (release-ordered signals, acquire-ordered waits). Each
-     crossing has its proxy fence (`fence.proxy.async.global`): a signal that follows stores
-     comes after their completion and a fence (`_signal_stored`), and loads of rows another
-     block or device stored come after the wait and a fence (`_wait_to_load`). The PTX
-     memory model orders the two proxies only through such fences; no run on one GPU has
-     shown a stale row without them (session 16 added them, for rows written over NVLink).
+     counters through the generic one (release-ordered signals, acquire-ordered waits). A
+     writer needs no proxy fence: its signal follows the completion of its stores
+     (cp.async.bulk.wait_group, invariant 2), and a bulk operation's completion carries an
+     implicit generic-async proxy fence (PTX ISA, "Async Proxy"). A reader does: after the
+     waits that precede bulk loads of rows another block or device stored, it runs
+     `fence.proxy.async.global` once (PROXY_FENCE, `_async_proxy_fence`) before loading (the
+     overlapped GEMMs' producers and the return's copiers; send_rows loads nothing after its
+     waits). Added in session 16, for rows written by peers over NVLink: no run on one GPU had
+     shown a stale row without it.
 """
 
 from __future__ import annotations
@@ -117,42 +120,40 @@ def _stage_kinds(
     return tuple(kinds), tuple(kind_of)
 
 
-def _check_sides(sides, rows: int, of: str) -> None:
+def _check_sides(sides, rows: int | None, of: str) -> None:
     """Raises TypeError unless `sides` is a tuple (or list) of arrays, and ValueError unless
-    each is [rows, C] (`of`: whose rows those are, for the message)."""
-    if not isinstance(sides, tuple | list):
+    each is [rows, C] (`of`: whose rows those are, for the message; rows None: the caller's
+    own shape check reports the rows)."""
+    if not isinstance(sides, tuple | list) or not all(hasattr(a, "ndim") for a in sides):
         raise TypeError(f"sides must be a tuple of arrays, got {type(sides).__name__}")
     for side in sides:
-        if side.ndim != 2 or side.shape[0] != rows:
+        if side.ndim != 2 or (rows is not None and side.shape[0] != rows):
             raise ValueError(f"side rows {side.shape} must match {of}")
 
 
+# Invariant 6: the reader's proxy fence, between its acquire-ordered waits (generic proxy)
+# and its bulk loads (async proxy) of rows others stored.
+PROXY_FENCE = "fence.proxy.async.global;"
+
+
 def _async_proxy_fence() -> None:
-    """fence.proxy.async.global (invariant 6): orders this warpgroup's generic-proxy accesses
-    to global memory with its async-proxy ones, either way."""
+    """PROXY_FENCE (invariant 6): this warpgroup's generic-proxy accesses to global memory
+    before it are ordered with its async-proxy ones after it."""
 
     @plgpu.inline_mgpu()
     def fence(_ctx):
-        mgpu.utils.inline_ptx("fence.proxy.async.global;", has_side_effects=True)
+        mgpu.utils.inline_ptx(PROXY_FENCE, has_side_effects=True)
 
     fence()
 
 
-def _signal_stored(sem, device_id=None) -> None:
-    """Counts on `sem` (a peer's with `device_id`) rows whose stores have completed: the
-    proxy fence, then the release-ordered signal (invariants 2 and 6)."""
-    _async_proxy_fence()
+def _signal(sem, device_id=None) -> None:
+    """One count on `sem`, this device's or (device_id) a peer's: release-ordered, after the
+    stores it counts have completed (invariants 2 and 6)."""
     if device_id is None:
         pl.semaphore_signal(sem)
     else:
         pl.semaphore_signal(sem, device_id=device_id)
-
-
-def _wait_to_load(sem, value) -> None:
-    """Returns once `sem` has counted `value` (not decremented), ready for bulk loads of the
-    rows it counts: the acquire-ordered wait, then the proxy fence (invariant 6)."""
-    pl.semaphore_wait(sem, value, decrement=False)
-    _async_proxy_fence()
 
 
 def _dispatch_boxes(kinds: tuple[tuple[int, jnp.dtype], ...]) -> tuple[int, ...]:
@@ -437,7 +438,7 @@ def _send_rows_kernel(
             dst_ref = out_ref if local else plgpu.remote_ref(out_ref, peer)
             # 2. The rows have landed before the counter counts the copy.
             stage.copy(src_ref, dst_ref, src_p_ref[p], dst_p_ref[p], size_p_ref[p])
-            _signal_stored(counters.at[counter_p_ref[p]], None if local else peer)
+            _signal(counters.at[counter_p_ref[p]], None if local else peer)
 
     # 2. This device's zero ranges (rows no copy lands in, disjoint from the copies' rows),
     #    range z by block z % num_blocks, from the stage filled with zeros once the block's
@@ -569,7 +570,9 @@ def _dispatch_gemm_kernel(
 
         @pl.loop(first // tile, (end + tile - 1) // tile)
         def _wait(c):
-            _wait_to_load(counters.at[c], wait_ref[c])
+            pl.semaphore_wait(counters.at[c], wait_ref[c], decrement=False)
+
+        _async_proxy_fence()  # invariant 6: before the tile's bulk loads
 
     # O2. Programs [copy_programs, copy_programs + gemm_programs) run the GEMM's tiles on the
     #     buffer (gmm_swiglu's, or the transposed gmm's), each tile once the rows it stores
@@ -632,8 +635,8 @@ def _dispatch_gemm_kernel(
 
                             # The range's tiles that a GEMM tile reads for its stored rows.
                             @pl.loop(first, end)
-                            def _signal(c):
-                                _signal_stored(counters.at[c])
+                            def _count(c):
+                                _signal(counters.at[c])
 
             zeros(signalled=True)
 
@@ -646,7 +649,7 @@ def _dispatch_gemm_kernel(
                     for src, dst, kind in zip(srcs, dsts, kind_of, strict=True):
                         dst = dst if local else plgpu.remote_ref(dst, peer)
                         stages[kind].copy(src, dst, *rows)
-                    _signal_stored(counters.at[counter_p_ref[p]], None if local else peer)
+                    _signal(counters.at[counter_p_ref[p]], None if local else peer)
 
             # Last, the ranges no GEMM tile waits for (past the groups, where half the buffer
             # may lie): the stages are free again, each copy having waited for its stores.
@@ -892,7 +895,7 @@ def _gemm_return_kernel(
     @pl.when(program >= copy_programs)
     def _gemm():
         def after_tile(mi):
-            _signal_stored(counters.at[mi])
+            _signal(counters.at[mi])
 
         gmm_kernel.programs_body(
             gemm,
@@ -933,13 +936,15 @@ def _gemm_return_kernel(
                 def _send():
                     @pl.loop(first_p_ref[p], end_p_ref[p])
                     def _wait(t):
-                        _wait_to_load(counters.at[t], tile_signals)
+                        pl.semaphore_wait(counters.at[t], tile_signals, decrement=False)
+
+                    _async_proxy_fence()  # invariant 6: before the piece's bulk loads
 
                     peer = {axis_name: peer_p_ref[p]}
                     for src, dst, kind in zip(srcs, dsts, kind_of, strict=True):
                         dst = dst if local else plgpu.remote_ref(dst, peer)
                         stages[kind].copy(src, dst, src_p_ref[p], dst_p_ref[p], size_p_ref[p])
-                    _signal_stored(arrived, None if local else peer)
+                    _signal(arrived, None if local else peer)
 
             @pl.when(copier < num_zeros)
             def _zeros():
@@ -1041,7 +1046,8 @@ def dgrad_return(
     the row tiles storing its rows have completed (as `down_return`), and with it the
     piece's rows of each side [S, C] (a row a multiple of 16 bytes: the layer's is the
     routing weights' gradient, f32 [S, 4]), as `send_rows(side, back, ...)` does."""
-    _check_sides(sides, d_gate_up_s2f.shape[0], f"the slots {d_gate_up_s2f.shape}")
+    rows = d_gate_up_s2f.shape[0] if d_gate_up_s2f.ndim == 2 else None
+    _check_sides(sides, rows, f"the slots {d_gate_up_s2f.shape}")
     if (
         d_gate_up_s2f.ndim != 2
         or w_gate_gdf.ndim != 3

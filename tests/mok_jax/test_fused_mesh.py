@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from mok_jax import make_mesh, presets
-from pallas_kernels.exchange import reference
+from pallas_kernels.exchange import mosaic_gpu, reference
 from tests.mok_jax.cases import (
     SCALED_PRESETS,
     assert_same_rows,
@@ -36,7 +36,6 @@ from tests.mok_jax.test_pallas_mesh import (
     gpu_interpret_on_several_devices,
     lowered_with_kernels,
 )
-from tests.pallas_kernels.exchange.test_mosaic_gpu import PROXY_FENCE
 
 # dispatch_swiglu's custom call: it returns the buffer [S, D], its routing weights [S, 4] f32 and
 # h [S, F] (then the kernel's semaphores).
@@ -158,12 +157,12 @@ def test_lowered_for_cuda_on_8_devices(layout):
     )
     kernels = [len(k.findall(text)) for k in overlapped]
     assert kernels[2:] == [2, 2] and kernels[0] == kernels[1] >= 2, kernels
-    # Invariant 6 of the exchange's kernels: each carries the proxy fence between the counters
-    # and the rows.
+    # Invariant 6 of the exchange's kernels: each overlapped kernel has the reader's proxy fence
+    # (at its one site, where the rows it loads are waited for).
     lines = text.splitlines()
     exchange = [line for line in lines if any(k.search(line) for k in overlapped)]
     assert len(exchange) == sum(kernels)
-    assert all(PROXY_FENCE in line for line in exchange)
+    assert all(mosaic_gpu.PROXY_FENCE in line for line in exchange)
     assert "uses_xla_collective_metadata = true" in text
     for collective in ("ragged_all_to_all", "all_to_all", "collective_permute"):
         assert not re.search(rf"stablehlo\.{collective}\b", text), collective
