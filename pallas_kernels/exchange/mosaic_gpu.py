@@ -26,9 +26,10 @@ to the separate kernels on one H200, session 15,
 bench/results/2026-12-01_exchange_backward_h200_s15/). Since session 15 the backward's
 dispatch carries the forward's rows and their weights too (the backward saves the rows, not
 the buffer), and `dgrad_return` the routing weights' gradient with d_x: each copy of the
-layer's forward and backward runs inside a GEMM's kernel. Session 16 added the proxy fences
-(invariant 6) and ran the layer and the twins with them on one H200
-(bench/results/2026-12-01_exchange_h200_s16/).
+layer's forward and backward runs inside a GEMM's kernel. Session 16 added the reader's proxy
+fence (invariant 6): the layer and the twins passed on one H200 with fences at both ends of
+every crossing (bench/results/2026-12-01_exchange_h200_s16/, call 3); the final form, the
+reader's fence alone and once after its waits, has not yet run on a GPU.
 
 Invariants (send_rows; the overlapped dispatch's O1-O3 and down_return's R1-R3 are in their
 bodies):
