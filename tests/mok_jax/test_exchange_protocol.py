@@ -117,6 +117,15 @@ def test_semaphore_counts_are_the_pieces_sent(case):
             np.testing.assert_array_equal(back, counted)
 
 
+@given(st.lists(st.booleans(), min_size=1, max_size=40))
+def test_true_first_is_the_stable_partitions_first_part(mask):
+    mask_n = np.array(mask)
+    got = np.asarray(xp.true_first(jnp.asarray(mask_n)))
+    count = int(mask_n.sum())
+    np.testing.assert_array_equal(got[:count], np.argsort(~mask_n, kind="stable")[:count])
+    np.testing.assert_array_equal(got[count:], 0)
+
+
 @given(protocol_cases())
 def test_pieces_are_the_runs_of_rows_in_one_tile(case):
     """The traceable `pieces` (what the kernels read) against a loop over the rows."""
