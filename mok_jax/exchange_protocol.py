@@ -46,10 +46,20 @@ from jax import Array
 
 from mok_jax.exchange import Traffic, exclusive_cumsum
 
-# The slots past a round's groups, zeroed as this many ranges, so that the kernels' copiers
-# zero them in parallel (one range a copier): past the groups lies up to 1 - 1/buffer_factor
-# of the buffer (half of it at EP > 1 by default), which one copier took milliseconds to zero.
-TAIL_RANGES = 32
+# The slots past a round's groups that must hold finite values: the first TAIL_ZERO_ROWS of
+# them, zeroed by the dispatch; the others are left unspecified. The weight gradients' kernel
+# (mosaic_gpu_wgrad) reads a group's rows in blocks of block_k rows (64 on the H200 and in
+# interpret mode), so its last block may take up to block_k - 1 slots past the groups; it zeroes
+# them in the rhs tile and assumes the lhs finite there (its invariant 3), and the lhs of
+# d_w_gate and d_w_up is the dispatched rows. No other kernel needs values past the groups:
+# the grouped GEMMs compute the rows they load there and never store them (invariant 4 of
+# grouped_matmul/mosaic_gpu.py), and the return copies only the rows' own slots. Past the
+# groups lies up to 1 - 1/buffer_factor of the buffer (half of it at EP > 1 by default),
+# ~170 MB an array at qwen3 with 4096 tokens a device, which the dispatch no longer writes.
+TAIL_ZERO_ROWS = 128
+# The zeroed slots past the groups as this many ranges, so that the kernels' copiers zero them
+# in parallel (one range a copier).
+TAIL_RANGES = 8
 
 if TYPE_CHECKING:
     from pallas_kernels.exchange.moves import Moves
@@ -333,10 +343,11 @@ def exchange_round(
     t: Traffic, me: Array, round_index: Array, window: int, tile: int, moves: tuple[Moves, Moves]
 ) -> tuple[Moves, Moves]:
     """`exchange_pieces`' tables with round r's counts: the dispatch's arrivals are
-    `tile_arrivals` (the pieces each of `me`'s tiles gets) and its zero ranges every slot of
-    `me`'s buffer no row fills (each local expert's last tile past its rows, and every slot
-    past the groups, which a grouped GEMM's last row tile reads too, as TAIL_RANGES ranges), so
-    that the grouped GEMMs read zeros there, forward and backward; the return's one counter
+    `tile_arrivals` (the pieces each of `me`'s tiles gets) and its zero ranges the slots of
+    `me`'s buffer inside the groups that no row fills (each local expert's last tile past its
+    rows), so that the grouped GEMMs sum zeros there, forward and backward, and the first
+    TAIL_ZERO_ROWS slots past the groups, which the weight gradients' kernel reads (as
+    TAIL_RANGES ranges; the slots after them are left unspecified); the return's one counter
     gets `me`'s own pieces of the round, each of which comes back once."""
     dispatch, back = moves
     lo_g, hi_g, tile_start_g = _round_runs(t, me, round_index, window, tile)
@@ -346,7 +357,7 @@ def exchange_round(
     slots = num_tiles(window, tile, t.num_local) * tile
     real_p = jnp.arange(dispatch.src_p.shape[0]) < dispatch.count
     mine_in_round = jnp.sum(real_p & (dispatch.round_p == round_index), dtype=jnp.int32)
-    tail_dst_r, tail_size_r = _tail_ranges(end[0], slots)
+    tail_dst_r, tail_size_r = _tail_ranges(end[0], jnp.minimum(end[0] + TAIL_ZERO_ROWS, slots))
     dispatch = dataclasses.replace(
         dispatch,
         arrivals_c=tile_arrivals(t, me, round_index, window, tile),
@@ -356,12 +367,12 @@ def exchange_round(
     return dispatch, dataclasses.replace(back, arrivals_c=mine_in_round[None])
 
 
-def _tail_ranges(end: Array, slots: int) -> tuple[Array, Array]:
-    """Slots [end, slots) as TAIL_RANGES consecutive ranges (dst, size) of int32 [TAIL_RANGES]
-    each, of equal size but the last (empty ranges start at `slots`)."""
-    part = (slots - end + TAIL_RANGES - 1) // TAIL_RANGES
-    dst_r = jnp.minimum(end + jnp.arange(TAIL_RANGES, dtype=jnp.int32) * part, slots)
-    size_r = jnp.minimum(part, slots - dst_r)
+def _tail_ranges(start: Array, stop: Array) -> tuple[Array, Array]:
+    """Slots [start, stop) as TAIL_RANGES consecutive ranges (dst, size) of int32 [TAIL_RANGES]
+    each, of equal size but the last (empty ranges start at `stop`)."""
+    part = (stop - start + TAIL_RANGES - 1) // TAIL_RANGES
+    dst_r = jnp.minimum(start + jnp.arange(TAIL_RANGES, dtype=jnp.int32) * part, stop)
+    size_r = jnp.minimum(part, stop - dst_r)
     return dst_r.astype(jnp.int32), size_r.astype(jnp.int32)
 
 

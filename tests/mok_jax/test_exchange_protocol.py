@@ -150,8 +150,9 @@ def test_exchange_moves_go_there_and_back_and_zero_the_padding(case):
     """`exchange_moves` against the row places, per device and round: the dispatch's copies are
     the device's pieces; the return's copies to a source are exactly its pieces of the round,
     reversed (slot -> row), counted once each; each receiver's groups (`buffer_layout`) are
-    whole tiles, and every slot of its buffer is either filled by a row or in a zero range,
-    never both."""
+    whole tiles, and every slot of its buffer inside the groups and among the first
+    TAIL_ZERO_ROWS past them is either filled by a row or in a zero range, never both; no
+    slot after those is zeroed."""
     counts_se, _, num_rows, window, tile = case
     num_devices = counts_se.shape[0]
     t, places = all_places(*case)
@@ -192,8 +193,13 @@ def test_exchange_moves_go_there_and_back_and_zero_the_padding(case):
             for a, n in zip(dispatch.zero_dst_z, dispatch.zero_size_z, strict=True):
                 assert not zeroed[a : a + n].any() and not filled_s[a : a + n].any()
                 zeroed[a : a + n] = True
-            # Every slot is filled or zeroed: a GEMM's last row tile reads past the groups.
-            assert (filled_s | zeroed).all()
+            # Inside the groups and just past them every slot is filled or zeroed (the weight
+            # gradients' last row block reads up to TAIL_ZERO_ROWS - 1 slots past the groups);
+            # after that nothing is written.
+            ends = int(np.sum(sizes_g))
+            kept = min(ends + xp.TAIL_ZERO_ROWS, filled_s.shape[0])
+            assert (filled_s | zeroed)[:kept].all()
+            assert not (filled_s | zeroed)[kept:].any()
         for s in range(num_devices):
             sent = jax.tree.map(np.asarray, xp.pieces(xp.row_places(
                 t, jnp.int32(s), num_rows, window, tile), tile))  # fmt: skip
@@ -230,19 +236,34 @@ def test_the_tables_trace_under_jit_with_traced_device_and_round():
             jax.tree.map(np.testing.assert_array_equal, tables(t, me, r), eager)
 
 
-@pytest.mark.parametrize("end,slots", [(0, 0), (5, 5), (3, 40), (0, 1000), (37, 1000), (990, 1000)])
-def test_the_tail_past_the_groups_is_split_into_ranges_of_equal_size(end, slots):
-    """The slots past the groups are TAIL_RANGES consecutive ranges, every one but the last
-    (and the empty ones after it) of ceil(tail / TAIL_RANGES) rows: no copier zeroes more."""
-    dst_r, size_r = (np.asarray(a) for a in xp._tail_ranges(jnp.int32(end), slots))
+@pytest.mark.parametrize(
+    "start,stop", [(0, 0), (5, 5), (3, 40), (0, 1000), (37, 165), (990, 1000), (0, 3)]
+)
+def test_the_zeroed_tail_is_split_into_ranges_of_equal_size(start, stop):
+    """The zeroed slots past the groups are TAIL_RANGES consecutive ranges, every one but the
+    last (and the empty ones after it) of ceil(rows / TAIL_RANGES) rows: no copier zeroes
+    more."""
+    dst_r, size_r = (np.asarray(a) for a in xp._tail_ranges(jnp.int32(start), jnp.int32(stop)))
     assert dst_r.shape == size_r.shape == (xp.TAIL_RANGES,)
-    part = -(-(slots - end) // xp.TAIL_RANGES)
-    covered = np.zeros(slots, np.int64)
+    part = -(-(stop - start) // xp.TAIL_RANGES)
+    covered = np.zeros(stop, np.int64)
     for dst, size in zip(dst_r, size_r, strict=True):
-        assert 0 <= size <= part and end <= dst <= slots
+        assert 0 <= size <= part and start <= dst <= stop
         covered[dst : dst + size] += 1
-    np.testing.assert_array_equal(covered, (np.arange(slots) >= end).astype(np.int64))
+    np.testing.assert_array_equal(covered, (np.arange(stop) >= start).astype(np.int64))
     np.testing.assert_array_equal(dst_r[1:], dst_r[:-1] + size_r[:-1])
+
+
+def test_the_zeroed_tail_covers_what_the_weight_gradients_read_past_a_group():
+    """The weight gradients' kernel reads a group's rows in blocks of block_k rows from the
+    group's first row rounded down to 8, so its last block takes up to block_k - 1 rows past
+    the group (invariant 3 of mosaic_gpu_wgrad: finite there); every tgmm config of the
+    tuning table must stay within the TAIL_ZERO_ROWS slots past the groups the dispatch
+    zeroes."""
+    from pallas_kernels.grouped_matmul import tuning
+
+    block_k = [c.block_k for (kind, _), c in tuning.DEFAULT_CONFIGS.items() if kind == "tgmm"]
+    assert block_k and max(block_k) - 1 <= xp.TAIL_ZERO_ROWS
 
 
 @pytest.mark.parametrize("window,tile", [(0, 4), (8, 0), (-1, 1)])
