@@ -18,8 +18,9 @@ Probes (one device, one mesh axis of size 1 where shard_map is used):
                    backward's input gradient and its return (`dgrad_return` against gmm
                    then send_rows); each at each of --copy-stages (the copiers' pipelining)
   layer            `fused` at qwen3_30b_a3b (4096 tokens) on a 1-device mesh (the exchange's
-                   kernels, one round) at each of --tiles (exchange_tile) and --programs
-                   (exchange_programs) against `fused` without a mesh: y and dx bitwise,
+                   kernels, one round) at each of --tiles (exchange_tile), --programs
+                   (exchange_programs) and --fusions (exchange_fusion; "forward": the
+                   forward in one kernel) against `fused` without a mesh: y and dx bitwise,
                    forward and forward+backward (y and the gradients) timed, and
                    forward+backward's Mosaic GPU kernels counted in XLA's optimized HLO
 """
@@ -306,7 +307,7 @@ def _overlap(programs: tuple[int, ...], window_factor: float, stages: tuple[int,
     return record
 
 
-def _layer(tiles: tuple[int, ...], programs: tuple[int, ...]) -> dict:
+def _layer(tiles: tuple[int, ...], programs: tuple[int, ...], fusions: tuple[str, ...]) -> dict:
     import dataclasses
 
     import jax
@@ -325,10 +326,13 @@ def _layer(tiles: tuple[int, ...], programs: tuple[int, ...]) -> dict:
     record, outs = {"ok": True}, {}
     runs = [("no_mesh", None, base)]
     runs += [
-        (f"mesh_1_tile{t}_programs{c}", mesh,
-         dataclasses.replace(base, exchange_tile=t, exchange_programs=c))
+        (f"mesh_1_tile{t}_programs{c}" + ("" if f == "per_gemm" else f"_{f}"), mesh,
+         dataclasses.replace(base, exchange_tile=t, exchange_programs=c, exchange_fusion=f,
+                             exchange_on_one_device=True))
         for t in tiles
         for c in programs
+        for f in fusions
+        if c or f == "per_gemm"  # with 0 copy programs every copy is a kernel of its own
     ]  # fmt: skip
     for name, m, cfg in runs:
         fwd = jax.jit(lambda x, p, m=m, cfg=cfg: moe(x, p, cfg, mesh=m))
@@ -366,11 +370,12 @@ def _run_one(
     programs: tuple[int, ...],
     window_factor: float,
     stages: tuple[int, ...],
+    fusions: tuple[str, ...],
 ) -> None:
     record = {"probe": name}
     start = time.perf_counter()
     if name == "layer":
-        record.update(_layer(tiles, programs))
+        record.update(_layer(tiles, programs, fusions))
     elif name == "overlap":
         record.update(_overlap(tuple(c for c in programs if c), window_factor, stages))
     else:
@@ -396,6 +401,10 @@ def main() -> None:
         "--copy-stages", default="1",
         help="overlap: the copiers' stages (1: copy_piece; 2, 4: copy_piece_pipelined)",
     )  # fmt: skip
+    parser.add_argument(
+        "--fusions", default="per_gemm",
+        help="layer: exchange_fusion values, comma-separated (per_gemm, forward)",
+    )  # fmt: skip
     parser.add_argument("--child", choices=PROBES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.window_factor < 1:
@@ -404,14 +413,14 @@ def main() -> None:
     if args.child:
         ints = lambda text: tuple(int(v) for v in text.split(","))  # noqa: E731
         _run_one(args.child, ints(args.tiles), ints(args.programs), args.window_factor,
-                 ints(args.copy_stages))  # fmt: skip
+                 ints(args.copy_stages), tuple(args.fusions.split(",")))  # fmt: skip
         return
     records = []
     for name in [args.only] if args.only else PROBES:
         cmd = [sys.executable, "-m", "bench.exchange_probe", "--out", "-", "--child", name,
                "--tiles", args.tiles, "--programs", args.programs,
                "--window-factor", str(args.window_factor),
-               "--copy-stages", args.copy_stages]  # fmt: skip
+               "--copy-stages", args.copy_stages, "--fusions", args.fusions]  # fmt: skip
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
             lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]

@@ -174,7 +174,9 @@ def _layer(name: str, implementation: str, product: str, token_chunk: int | None
         cfg = scale_down(cfg)
     if experts is not None:
         cfg = dataclasses.replace(cfg, num_experts=experts)
-    cfg = dataclasses.replace(cfg, implementation=implementation, token_chunk=token_chunk)
+    # A 1-device mesh runs the in-kernel exchange's kernels (its copies to the device itself).
+    cfg = dataclasses.replace(cfg, implementation=implementation, token_chunk=token_chunk,
+                              exchange_on_one_device=mesh is not None)  # fmt: skip
     keys = jax.random.split(jax.random.key(1), 3)
     x = jax.random.normal(keys[0], (tokens, cfg.d_model), jnp.float32).astype(jnp.bfloat16)
     cotangent = jax.random.normal(keys[1], x.shape, jnp.float32).astype(jnp.bfloat16)

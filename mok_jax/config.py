@@ -40,6 +40,11 @@ Exchange = Literal["ragged_all_to_all", "ring"]
 # loads each row from the tokens itself, one 1-row TMA per row and K step: no copy, slower on
 # the H200; see layer._fused_experts).
 FusedRows = Literal["copied", "gathered"]
+# Which kernels carry the `fused` implementation's exchange under a mesh: "per_gemm" (each
+# copy inside the kernel of the GEMM next to it: the forward's dispatch with gate/up, its
+# return with the down projection, the backward's likewise) or "forward" (the round's whole
+# forward, dispatch, gate/up, down and return, in one kernel; the backward as "per_gemm").
+ExchangeFusion = Literal["per_gemm", "forward"]
 # What the `fused` implementation's forward keeps for its backward: "inputs" (the tokens and
 # weights: the backward recomputes the gate and up projections, 2 of its 8 GEMM passes) or
 # "gate_up" (also h, gate and up, [T*K, F] each in the compute dtype: 6 passes).
@@ -55,6 +60,7 @@ FusedRecompute = Literal["gmm", "kernel"]
 IMPLEMENTATIONS: tuple[str, ...] = typing.get_args(Implementation)
 SCORE_FNS: tuple[str, ...] = typing.get_args(ScoreFn)
 EXCHANGES: tuple[str, ...] = typing.get_args(Exchange)
+EXCHANGE_FUSIONS: tuple[str, ...] = typing.get_args(ExchangeFusion)
 FUSED_ROWS: tuple[str, ...] = typing.get_args(FusedRows)
 FUSED_RESIDUALS: tuple[str, ...] = typing.get_args(FusedResiduals)
 FUSED_RECOMPUTES: tuple[str, ...] = typing.get_args(FusedRecompute)
@@ -175,6 +181,23 @@ class MoEConfig:
         routing) on a 1-device mesh, 5.92 ms at 24 and 6.22 separate (one call, session 15,
         bench/results/2026-12-01_exchange_backward_h200_s15/); across GPUs, where the copies
         cost more, not yet timed.
+      exchange_fusion: with implementation 'fused' under a mesh and exchange_programs > 0,
+        which kernels carry the exchange's copies (see `ExchangeFusion`); y and dx do not
+        depend on it. "per_gemm" (the default) has run on one H200 and, in its session-12
+        form, on two; "forward" (MoK's design: one kernel a round for the forward, each down
+        tile starting once its rows of h are stored, each piece of results leaving once its
+        rows of y are) was written in session 17 and lowers for CUDA, but has not yet run
+        on a GPU; its down tiles must split between consumers as the gate/up ones do (on the
+        H200's tiles, d_model a multiple of 128), else the layer raises ValueError.
+      exchange_on_one_device: with implementation 'fused' under a mesh whose `expert` axis
+        has one device (data parallel only), whether the rows still go through the in-kernel
+        exchange (copies to the device itself). False (the default): they are already on the
+        device that owns their experts, so each device runs `fused` as without a mesh (no
+        rounds; fused_rows and fused_residuals apply), the same y and dx bits; on one H200
+        the exchange's copies cost 15-19 % of the layer's forward+backward there
+        (bench/results/2026-12-01_exchange_h200_s16/). True: the way to run and time the
+        exchange's kernels on one GPU (the tests and benchmarks do). 'xla' and 'pallas'
+        never run a collective on a 1-device expert axis.
       token_chunk: tokens per step of the token-wise stages (routing, combine, shared experts),
         which run in fixed-shape chunks of this many tokens (zero-padded, at least two) so that
         a token's bits do not depend on how many tokens a device holds; None: 8 * row_tile
@@ -223,6 +246,8 @@ class MoEConfig:
     row_tile: int = 64
     exchange_tile: int = 64
     exchange_programs: int = 24
+    exchange_fusion: ExchangeFusion = "per_gemm"
+    exchange_on_one_device: bool = False
     fused_rows: FusedRows = "copied"
     fused_residuals: FusedResiduals = "inputs"
     fused_recompute: FusedRecompute = "gmm"
@@ -246,8 +271,9 @@ class MoEConfig:
                 "capacity_factor",
                 _check_float("capacity_factor", self.capacity_factor, positive=True),
             )
-        if not isinstance(self.norm_topk_prob, bool):
-            raise ValueError(f"norm_topk_prob={self.norm_topk_prob!r} must be a bool")
+        for name in ("norm_topk_prob", "exchange_on_one_device"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
         if self.score_fn not in SCORE_FNS:
             raise ValueError(f"score_fn={self.score_fn!r} must be one of {SCORE_FNS}")
         if self.implementation not in IMPLEMENTATIONS:
@@ -256,6 +282,10 @@ class MoEConfig:
             )
         if self.exchange not in EXCHANGES:
             raise ValueError(f"exchange={self.exchange!r} must be one of {EXCHANGES}")
+        if self.exchange_fusion not in EXCHANGE_FUSIONS:
+            raise ValueError(
+                f"exchange_fusion={self.exchange_fusion!r} must be one of {EXCHANGE_FUSIONS}"
+            )
         if self.token_chunk is not None:
             put("token_chunk", check_int("token_chunk", self.token_chunk, minimum=8))
             if self.token_chunk % 8:

@@ -169,15 +169,17 @@ def grouped_swiglu_fused(
         raise ValueError(f"residuals={residuals!r} must be one of {FUSED_RESIDUALS}")
     if recompute not in FUSED_RECOMPUTES:
         raise ValueError(f"recompute={recompute!r} must be one of {FUSED_RECOMPUTES}")
+    from pallas_kernels.grouped_matmul import ops as grouped_ops
+
     weights = tuple(w.astype(dtype) for w in (w_gate_edf, w_up_edf, w_down_efd))
-    plan = (group_sizes_e, order_n, inverse_n)
-    return _fused(
-        (top_k, rows, residuals, recompute, interpret),
-        x_td.astype(dtype),
-        *weights,
-        scale_n.astype(jnp.float32),
-        *plan,
-    )
+    # Inside shard_map (a mesh of data axes): every operand varies over the mesh axes any of
+    # them varies over, as in ops.swiglu_mlp: the weights meet every device's rows, so their
+    # gradients come back summed over those axes.
+    operands = grouped_ops.vary_alike(
+        x_td.astype(dtype), *weights, scale_n.astype(jnp.float32), group_sizes_e, order_n,
+        inverse_n,
+    )  # fmt: skip
+    return _fused((top_k, rows, residuals, recompute, interpret), *operands)
 
 
 def _fused_forward(
@@ -186,6 +188,7 @@ def _fused_forward(
     """(y_nd, (h, gate, up) if `keep` else None): the two kernels, the gate/up kernel's rows
     read from x through the plan's order or from their copy."""
     from pallas_kernels.grouped_matmul import mosaic_gpu
+    from pallas_kernels.grouped_matmul import ops as grouped_ops
 
     top_k, rows, _, _, interpret = static
     rows_n = order_n // top_k
@@ -194,6 +197,9 @@ def _fused_forward(
         out = swiglu(x_td, w_gate, w_up, group_sizes_e, lhs_rows_m=rows_n)
     else:
         out = swiglu(jnp.take(x_td, rows_n, axis=0), w_gate, w_up, group_sizes_e)
+    # A kernel's outputs typed to vary as its operands (the kernels' types drop it): a y typed
+    # invariant under a mesh of data axes would have its cotangent summed over them.
+    out = jax.tree.map(lambda a: grouped_ops.like(a, x_td), out)
     h_nf = out[0] if keep else out
     y_nd = mosaic_gpu.gmm(
         h_nf,
@@ -203,7 +209,7 @@ def _fused_forward(
         out_dtype=jnp.float32,
         interpret=interpret,
     )
-    return y_nd, (out if keep else None)
+    return grouped_ops.like(y_nd, x_td), (out if keep else None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -130,6 +130,7 @@ def _experts(
         recompute=cfg.fused_recompute,
         exchange_tile=cfg.exchange_tile,
         exchange_programs=cfg.exchange_programs,
+        exchange_fusion=cfg.exchange_fusion,
     )
     weights = (params.w_gate, params.w_up, params.w_down)
     return routed_experts(x_nd, weights, plan.group_sizes_e, spec, scale_n)
@@ -219,7 +220,10 @@ def _local_moe(x_td: Array, params: MoEParams, cfg: MoEConfig, axes: _Axes):
     routing = routed[0]
     plan, tokens_per_expert = _plan(routing, cfg, axes)
     fused = cfg.implementation == "fused"
-    if fused and axes.expert is None:
+    # One device on the expert axis: the rows are where their experts are (unless the
+    # exchange's kernels are asked for there, `exchange_on_one_device`).
+    local = axes.expert is None or (axes.expert_devices == 1 and not cfg.exchange_on_one_device)
+    if fused and local:
         y_nd, rounds = _fused_experts(x_td, routing, plan, params, cfg), jnp.ones((), jnp.int32)
     elif fused:
         y_nd, rounds = _fused_exchange(x_td, routing, plan, params, cfg, axes)
@@ -310,7 +314,9 @@ def _fused_exchange(
     the input gradient's return inside its GEMM's; the backward recomputes gate and up from
     the rows it dispatches again (fused_residuals does not apply under a mesh). On one H200
     the 1-device mesh costs 15-19 % over no mesh at 4096 tokens
-    (bench/results/2026-12-01_exchange_h200_s16/); not run across GPUs since session 12.
+    (bench/results/2026-12-01_exchange_h200_s16/), so on an expert axis of one device the
+    layer runs `_fused_experts` instead unless `exchange_on_one_device` asks for this path;
+    not run across GPUs since session 12.
     """
     with jax.named_scope("dispatch"):
         x_nd = _dispatch(x_td, plan, cfg)

@@ -37,7 +37,7 @@ import numpy as np
 from jax import Array, lax
 
 from mok_jax import exchange, exchange_protocol
-from mok_jax.config import Exchange, FusedRecompute
+from mok_jax.config import Exchange, ExchangeFusion, FusedRecompute
 from mok_jax.permute import take_rows
 from mok_jax.tiles import tile_layout, tiled_experts, vary, varying_axes
 
@@ -63,6 +63,7 @@ class RoutedSpec:
         run the dispatch's and the return's copies, and of the backward's first and last GEMMs'
         kernels that run the backward's dispatch and the input gradient's return (0: each is a
         kernel of its own; `MoEConfig`).
+      exchange_fusion: with "fused", which kernels carry the copies (`MoEConfig`).
     """
 
     axis: str | None
@@ -77,6 +78,7 @@ class RoutedSpec:
     recompute: FusedRecompute = "gmm"
     exchange_tile: int = 64
     exchange_programs: int = 24
+    exchange_fusion: ExchangeFusion = "per_gemm"
 
 
 def _me(spec: RoutedSpec) -> Array:
@@ -161,11 +163,13 @@ def _fused_round(r, rows, weights, plan, spec: RoutedSpec) -> Array:
     slots = exchange_protocol.num_tiles(window, tile, spec.num_local) * tile
     dispatch, back = exchange_protocol.exchange_round(t, me, r, window, tile, moves)
     group_sizes_g, _ = exchange_protocol.buffer_layout(t, me, r, window, tile)
-    # Every slot no row fills (an expert's last tile past its rows, the slots past the groups)
+    # Every slot inside the groups that no row fills (an expert's last tile past its rows)
     # comes out of the dispatch as zeros, and so does the results' cotangent there (the
     # dispatch's zero ranges): zero rows add nothing to the weights' gradients, which sum over
-    # whole row tiles. Rows of other rounds are unspecified: `_rounds` keeps each row's own
-    # round.
+    # whole row tiles. So do the first slots past the groups, which the weight gradients'
+    # kernel reads (exchange_protocol.TAIL_ZERO_ROWS); the slots after them are unspecified,
+    # and no kernel reads them. Rows of other rounds are unspecified: `_rounds` keeps each
+    # row's own round.
     with jax.named_scope("exchange_experts"):
         return exchange_ops.dispatch_mlp(
             x_nd,
@@ -180,6 +184,7 @@ def _fused_round(r, rows, weights, plan, spec: RoutedSpec) -> Array:
             axis_name=spec.axis,
             recompute=spec.recompute,
             copy_programs=spec.exchange_programs,
+            one_kernel_forward=spec.exchange_fusion == "forward",
             interpret=jax.default_backend() == "cpu",
         )
 

@@ -30,9 +30,13 @@ layer's forward and backward runs inside a GEMM's kernel. Session 16 added the r
 fence (invariant 6): the layer and the twins passed on one H200 with fences at both ends of
 every crossing (bench/results/2026-12-01_exchange_h200_s16/, call 3); the final form, the
 reader's fence alone and once after its waits, has not yet run on a GPU.
+`dispatch_mlp_return` (session 17) runs the whole forward of a round in one kernel: the
+dispatch, the gate/up tiles, the down tiles (each once its row tile of h is stored) and the
+return; it lowers for CUDA inside shard_map on 8 devices (CI) and has not yet run on a GPU,
+nor does the layer use it yet.
 
-Invariants (send_rows; the overlapped dispatch's O1-O3 and down_return's R1-R3 are in their
-bodies):
+Invariants (send_rows; the overlapped dispatch's O1-O3, down_return's R1-R3 and the forward
+kernel's F1-F3 are in their bodies):
   1. Each output row is written by one copy, once a round (the protocol's destinations are
      distinct), so no two stores race.
   2. A copy's signal follows its rows: the kernel waits for the copy's stores to complete
@@ -146,6 +150,18 @@ def _async_proxy_fence() -> None:
         mgpu.utils.inline_ptx(PROXY_FENCE, has_side_effects=True)
 
     fence()
+
+
+def _programs(copy_programs: int) -> int:
+    """The overlapped kernels' programs, one a streaming multiprocessor. Raises ValueError
+    unless 0 < copy_programs < programs (some programs must run the GEMMs)."""
+    programs = tuning.persistent_grid_size()
+    if not 0 < copy_programs < programs:
+        raise ValueError(
+            f"copy_programs={copy_programs} (MoEConfig.exchange_programs) must be in "
+            f"[1, {programs}): this GPU runs {programs} programs, and some must run the GEMMs"
+        )
+    return programs
 
 
 def _signal(sem, device_id=None) -> None:
@@ -529,6 +545,95 @@ def _like(out: Array, operand: Array) -> Array:
 # The dispatch overlapped with the first expert GEMMs: one kernel (issue 7's overlap).
 
 
+def _wait_tiles(counters, wait_ref, tile: int, first, end) -> None:
+    """Returns once buffer rows [first, end) are in place: each tile of `tile` rows they touch
+    has counted (counter c, wait_ref[c] counts) its copies and zero ranges, whose stores
+    completed before their signals (O1); then the reader's proxy fence (invariant 6)."""
+
+    @pl.loop(first // tile, (end + tile - 1) // tile)
+    def _wait(c):
+        pl.semaphore_wait(counters.at[c], wait_ref[c], decrement=False)
+
+    _async_proxy_fence()  # invariant 6: before the tile's bulk loads
+
+
+def _with_copier_stages(body, *, kinds, boxes, num_wg: int, copy_stages: int) -> None:
+    """Runs body(stages) in this warpgroup, one copier: `stages` its `_Stage`s, one a kind of
+    row (`_stage_kinds`: arrays of one kind share it, each copy waiting for its stores), on
+    barriers of their own. Call it in every warpgroup of a copy program."""
+
+    def scope(*scoped):
+        *kind_stages, loaded = scoped
+        wg = lax.axis_index("wg")
+        body([_copier(smem, loaded, wg, copy_stages) for smem in kind_stages])
+
+    pl.run_scoped(
+        scope,
+        *(_stage_smem((num_wg,), box, width, dtype, copy_stages)
+          for box, (width, dtype) in zip(boxes, kinds, strict=True)),
+        plgpu.Barrier(num_arrivals=1, num_barriers=num_wg * copy_stages),
+        collective_axes="wg",
+    )  # fmt: skip
+
+
+def _dispatch_copies(stages, srcs, dsts, kind_of, tables, counters, *, copier, copiers: int,
+                     num_zeros: int, axis_name: str, local: bool) -> None:  # fmt: skip
+    """O3, one copier's part of the dispatch: the zero ranges that count on tiles first (the
+    padding inside the groups, which the GEMMs wait for), then the round's copies, then the
+    other zero ranges (the first slots past the groups), copier i taking ranges and copies i,
+    i + copiers, ... Each copy moves its rows of every array of `srcs` to `dsts` (on the
+    peer) through the stage of its kind, then signals the tile's counter there. A copier
+    never waits for anything but its own copies. tables: the views of `_MOVES[:10]`,
+    zero_first_z, zero_end_z and round."""
+    (src_p_ref, dst_p_ref, size_p_ref, peer_p_ref, round_p_ref, counter_p_ref, count_ref, _,
+     zero_dst_ref, zero_size_ref, zero_first_ref, zero_end_ref, round_ref) = tables  # fmt: skip
+    round_index = round_ref[0]
+
+    def zeros(signalled: bool):
+        """The copier's zero ranges that count on tiles (`signalled`) or the others."""
+
+        @pl.when(copier < num_zeros)
+        def _zeros():
+            zeros_smems = [stage.zeros() for stage in stages]
+            plgpu.commit_smem()
+
+            @pl.loop(copier, num_zeros, step=copiers)
+            def _zero(z):
+                first, end = zero_first_ref[z], zero_end_ref[z]
+                dst, size = zero_dst_ref[z], zero_size_ref[z]
+
+                @pl.when((end > first) == signalled)
+                def _range():
+                    for out_ref, kind in zip(dsts, kind_of, strict=True):
+                        zero_rows(out_ref, dst, size, zeros_smems[kind])
+
+                    # The range's tiles that a GEMM tile reads for its stored rows.
+                    @pl.loop(first, end)
+                    def _count(c):
+                        _signal(counters.at[c])
+
+    zeros(signalled=True)
+
+    @pl.loop(copier, count_ref[0], step=copiers)
+    def _copy_piece(p):
+        @pl.when(round_p_ref[p] == round_index)
+        def _send():
+            peer = {axis_name: peer_p_ref[p]}
+            rows = (src_p_ref[p], dst_p_ref[p], size_p_ref[p])
+            for src, dst, kind in zip(srcs, dsts, kind_of, strict=True):
+                dst = dst if local else plgpu.remote_ref(dst, peer)
+                stages[kind].copy(src, dst, *rows)
+            _signal(counters.at[counter_p_ref[p]], None if local else peer)
+
+    # Last, the ranges no GEMM tile waits for (the first slots past the groups, which the
+    # weight gradients' kernel reads: exchange_protocol.TAIL_ZERO_ROWS): the stages are free
+    # again, each copy having waited for its stores.
+    zeros(signalled=False)
+
+
+_DISPATCH_TABLES = (*_MOVES[:10], "zero_first_z", "zero_end_z", "round")
+
+
 def _dispatch_gemm_kernel(
     schedule_ref,
     src_ref,
@@ -555,25 +660,13 @@ def _dispatch_gemm_kernel(
     side_refs, tables_ref = refs[:num_sides], refs[num_sides]
     weight_refs = refs[num_sides + 1 : num_sides + 1 + num_weights]
     buffer_ref, *side_out_refs, gemm_out_ref = refs[num_sides + 1 + num_weights :]
-    (src_p_ref, dst_p_ref, size_p_ref, peer_p_ref, round_p_ref, counter_p_ref, count_ref,
-     wait_ref, zero_dst_ref, zero_size_ref, zero_first_ref, zero_end_ref,
-     round_ref) = packed.views(tables_ref, *_MOVES[:10], "zero_first_z", "zero_end_z",
-                               "round")  # fmt: skip
+    tables = packed.views(tables_ref, *_DISPATCH_TABLES)
+    wait_ref = tables[_DISPATCH_TABLES.index("arrivals_c")]
     srcs, dsts = (src_ref, *side_refs), (buffer_ref, *side_out_refs)
     program = lax.axis_index("sm")
     # O1. One counter a buffer tile, for the whole kernel and every device (as in send_rows):
     #     the copies into the tile and the zero ranges in it count there.
     counters = pl.get_global(plgpu.SemaphoreType.REGULAR((num_counters,)))
-
-    def wait_tiles(first, end):
-        """Returns once buffer rows [first, end) are in place: each tile they touch has counted
-        its copies and zero ranges (the copies' stores completed before their signals)."""
-
-        @pl.loop(first // tile, (end + tile - 1) // tile)
-        def _wait(c):
-            pl.semaphore_wait(counters.at[c], wait_ref[c], decrement=False)
-
-        _async_proxy_fence()  # invariant 6: before the tile's bulk loads
 
     # O2. Programs [copy_programs, copy_programs + gemm_programs) run the GEMM's tiles on the
     #     buffer (gmm_swiglu's, or the transposed gmm's), each tile once the rows it stores
@@ -591,77 +684,24 @@ def _dispatch_gemm_kernel(
             config=config,
             programs=gemm_programs,
             first_program=copy_programs,
-            before_tile=wait_tiles,
+            before_tile=lambda mi, first, end: _wait_tiles(counters, wait_ref, tile, first, end),
         )
 
     # O3. Programs [0, copy_programs) copy, each of their warpgroups one copier with its own
-    #     stages (one a kind of row, shared by the arrays of that kind): the zero ranges that
-    #     count on tiles first (the padding inside the groups, which the GEMMs wait for), then
-    #     the round's copies, then the other zero ranges (past the groups), copier i taking
-    #     ranges and copies i, i + copiers, ... A copier never
-    #     waits for anything but its own copies, and the copy programs come first in the grid,
-    #     so they start before any GEMM program that waits for them.
+    #     stages (`_dispatch_copies`). The copy programs come first in the grid, so they start
+    #     before any GEMM program that waits for them.
     num_wg = config.num_consumers + 1
-    copiers = copy_programs * num_wg
 
     @pl.when(program < copy_programs)
     def _copy():
-        def copy_scope(*scoped):
-            *kind_stages, loaded = scoped
-            wg = lax.axis_index("wg")
-            copier = program * num_wg + wg
-            # The rows and the sides (their routing weights, the cotangent times them, ...)
-            # through a stage a kind of row, on the same barriers (one copy after the other,
-            # each waiting for its stores, so arrays of one kind share their stage).
-            stages = [_copier(smem, loaded, wg, copy_stages) for smem in kind_stages]
-            round_index = round_ref[0]
-
-            def zeros(signalled: bool):
-                """The copier's zero ranges that count on tiles (`signalled`) or the others."""
-
-                @pl.when(copier < num_zeros)
-                def _zeros():
-                    zeros_smems = [stage.zeros() for stage in stages]
-                    plgpu.commit_smem()
-
-                    @pl.loop(copier, num_zeros, step=copiers)
-                    def _zero(z):
-                        first, end = zero_first_ref[z], zero_end_ref[z]
-                        dst, size = zero_dst_ref[z], zero_size_ref[z]
-
-                        @pl.when((end > first) == signalled)
-                        def _range():
-                            for out_ref, kind in zip(dsts, kind_of, strict=True):
-                                zero_rows(out_ref, dst, size, zeros_smems[kind])
-
-                            # The range's tiles that a GEMM tile reads for its stored rows.
-                            @pl.loop(first, end)
-                            def _count(c):
-                                _signal(counters.at[c])
-
-            zeros(signalled=True)
-
-            @pl.loop(copier, count_ref[0], step=copiers)
-            def _copy_piece(p):
-                @pl.when(round_p_ref[p] == round_index)
-                def _send():
-                    peer = {axis_name: peer_p_ref[p]}
-                    rows = (src_p_ref[p], dst_p_ref[p], size_p_ref[p])
-                    for src, dst, kind in zip(srcs, dsts, kind_of, strict=True):
-                        dst = dst if local else plgpu.remote_ref(dst, peer)
-                        stages[kind].copy(src, dst, *rows)
-                    _signal(counters.at[counter_p_ref[p]], None if local else peer)
-
-            # Last, the ranges no GEMM tile waits for (past the groups, where half the buffer
-            # may lie): the stages are free again, each copy having waited for its stores.
-            zeros(signalled=False)
-
-        pl.run_scoped(
-            copy_scope,
-            *(_stage_smem((num_wg,), box, width, dtype, copy_stages)
-              for box, (width, dtype) in zip(boxes, kinds, strict=True)),
-            plgpu.Barrier(num_arrivals=1, num_barriers=num_wg * copy_stages),
-            collective_axes="wg",
+        copier = program * num_wg + lax.axis_index("wg")
+        _with_copier_stages(
+            lambda stages: _dispatch_copies(
+                stages, srcs, dsts, kind_of, tables, counters, copier=copier,
+                copiers=copy_programs * num_wg, num_zeros=num_zeros, axis_name=axis_name,
+                local=local,
+            ),
+            kinds=kinds, boxes=boxes, num_wg=num_wg, copy_stages=copy_stages,
         )  # fmt: skip
 
 
@@ -792,12 +832,7 @@ def _dispatch_gemm(
         config, k=d_model, n=n, itemsize=itemsize, out_itemsize=jnp.dtype(out_dtype).itemsize,
         nr=len(weights),
     )  # fmt: skip
-    programs = tuning.persistent_grid_size()
-    if not 0 < copy_programs < programs:
-        raise ValueError(
-            f"copy_programs={copy_programs} (MoEConfig.exchange_programs) must be in "
-            f"[1, {programs}): this GPU runs {programs} programs, and some must run the GEMMs"
-        )
+    programs = _programs(copy_programs)
     # The GEMM's row tiles load whole 8-row tiles of the buffer, and a tile's box may not be
     # taller than the buffer: the kernel's buffer has at least block_m rows, a multiple of 8
     # (rows past out_rows: neither filled nor stored, sliced off).
@@ -852,6 +887,55 @@ def _dispatch_gemm(
 # The down projection overlapped with the return: one kernel (issue 7's overlap, the way back).
 
 
+def _return_copies(stages, srcs, dsts, kind_of, tables, tile_counter, arrived, *, copier,
+                   copiers: int, tile_signals: int, num_zeros: int, axis_name: str,
+                   local: bool) -> None:  # fmt: skip
+    """R3, one copier's part of the return: piece p (copier p % copiers) waits until every row
+    tile storing its rows (tile_counter(t), t in [first_p, end_p)) has counted its
+    `tile_signals`, copies its rows of every array of `srcs` to its source's rows (`dsts`,
+    on the peer), then signals the peer's `arrived`; then the copier zeroes its zero ranges
+    of this device's `dsts`. Copier 0 last waits for the arrivals of this device's round
+    (every row is back). A copier waits only for this device's GEMM tiles and for the peers'
+    copiers. tables: the views of `_RETURN_TABLES`."""
+    (src_p_ref, dst_p_ref, size_p_ref, peer_p_ref, round_p_ref, count_ref, arrivals_ref,
+     zero_dst_ref, zero_size_ref, round_ref, first_p_ref, end_p_ref) = tables  # fmt: skip
+    round_index = round_ref[0]
+
+    @pl.loop(copier, count_ref[0], step=copiers)
+    def _copy_piece(p):
+        @pl.when(round_p_ref[p] == round_index)
+        def _send():
+            @pl.loop(first_p_ref[p], end_p_ref[p])
+            def _wait(t):
+                pl.semaphore_wait(tile_counter(t), tile_signals, decrement=False)
+
+            _async_proxy_fence()  # invariant 6: before the piece's bulk loads
+
+            peer = {axis_name: peer_p_ref[p]}
+            for src, dst, kind in zip(srcs, dsts, kind_of, strict=True):
+                dst = dst if local else plgpu.remote_ref(dst, peer)
+                stages[kind].copy(src, dst, src_p_ref[p], dst_p_ref[p], size_p_ref[p])
+            _signal(arrived, None if local else peer)
+
+    @pl.when(copier < num_zeros)
+    def _zeros():
+        zeros_smems = [stage.zeros() for stage in stages]
+        plgpu.commit_smem()
+
+        @pl.loop(copier, num_zeros, step=copiers)
+        def _zero(z):
+            for dst, kind in zip(dsts, kind_of, strict=True):
+                zero_rows(dst, zero_dst_ref[z], zero_size_ref[z], zeros_smems[kind])
+
+    @pl.when(copier == 0)
+    def _arrivals():
+        pl.semaphore_wait(arrived, arrivals_ref[0])
+
+
+# The return's tables: `_MOVES` but counter_p (one counter), and each piece's row tiles.
+_RETURN_TABLES = (*_MOVES[:5], *_MOVES[6:], "first_p", "end_p")
+
+
 def _gemm_return_kernel(
     schedule_ref,
     lhs_ref,
@@ -878,16 +962,13 @@ def _gemm_return_kernel(
     gemm_refs, side_refs = refs[:num_gemm], refs[num_gemm : num_gemm + num_sides]
     tables_ref, y_ref, out_ref, *side_out_refs = refs[num_gemm + num_sides :]
     srcs, dsts = (y_ref, *side_refs), (out_ref, *side_out_refs)
-    (src_p_ref, dst_p_ref, size_p_ref, peer_p_ref, round_p_ref, count_ref, arrivals_ref,
-     zero_dst_ref, zero_size_ref, round_ref, first_p_ref, end_p_ref) = packed.views(
-        tables_ref, *_MOVES[:5], *_MOVES[6:], "first_p", "end_p")  # fmt: skip
+    tables = packed.views(tables_ref, *_RETURN_TABLES)
     program = lax.axis_index("sm")
     # R1. One counter a row tile of the GEMM's schedule, counting this device's own stores
     #     (its consumers signal, invariant 12 of the grouped GEMM), then one counter for the
     #     return's arrivals: every peer's copies to this device count there. One set for the
     #     kernel and every device (as in send_rows).
     counters = pl.get_global(plgpu.SemaphoreType.REGULAR((num_row_tiles + 1,)))
-    arrived = counters.at[num_row_tiles]
 
     # R2. Programs [copy_programs, copy_programs + gemm_programs) run the GEMM's tiles (y =
     #     (h @ w_down[g]) * scale in f32, or the input gradient [d_gate | d_up] @ [w_gate |
@@ -895,9 +976,6 @@ def _gemm_return_kernel(
     #     completed. They wait for nothing.
     @pl.when(program >= copy_programs)
     def _gemm():
-        def after_tile(mi):
-            _signal(counters.at[mi])
-
         gmm_kernel.programs_body(
             gemm,
             schedule_ref,
@@ -907,66 +985,25 @@ def _gemm_return_kernel(
             config=config,
             programs=gemm_programs,
             first_program=copy_programs,
-            after_tile=after_tile,
+            after_tile=lambda mi: _signal(counters.at[mi]),
         )
 
-    # R3. Programs [0, copy_programs) copy, each warpgroup one copier: piece p (copier p %
-    #     copiers) waits until every row tile storing its rows has counted all its signals,
-    #     copies its rows of y (and of each side, an operand) to its source's rows (`out`, on
-    #     the peer), then signals the peer's arrival counter; then the copier zeroes its zero
-    #     ranges of this device's out (and the sides').
-    #     Copier 0 last waits for the arrivals of this device's round (every row is back). A
+    # R3. Programs [0, copy_programs) copy, each warpgroup one copier (`_return_copies`). A
     #     copier waits only for this device's GEMM tiles, which wait for nothing, and for the
     #     peers' copiers, which do the same: no cycle.
     num_wg = config.num_consumers + 1
-    copiers = copy_programs * num_wg
 
     @pl.when(program < copy_programs)
     def _copy():
-        def copy_scope(*scoped):
-            *kind_stages, loaded = scoped
-            wg = lax.axis_index("wg")
-            copier = program * num_wg + wg
-            # A stage a kind of row, as in the dispatch (one copy after the other).
-            stages = [_copier(smem, loaded, wg, copy_stages) for smem in kind_stages]
-            round_index = round_ref[0]
-
-            @pl.loop(copier, count_ref[0], step=copiers)
-            def _copy_piece(p):
-                @pl.when(round_p_ref[p] == round_index)
-                def _send():
-                    @pl.loop(first_p_ref[p], end_p_ref[p])
-                    def _wait(t):
-                        pl.semaphore_wait(counters.at[t], tile_signals, decrement=False)
-
-                    _async_proxy_fence()  # invariant 6: before the piece's bulk loads
-
-                    peer = {axis_name: peer_p_ref[p]}
-                    for src, dst, kind in zip(srcs, dsts, kind_of, strict=True):
-                        dst = dst if local else plgpu.remote_ref(dst, peer)
-                        stages[kind].copy(src, dst, src_p_ref[p], dst_p_ref[p], size_p_ref[p])
-                    _signal(arrived, None if local else peer)
-
-            @pl.when(copier < num_zeros)
-            def _zeros():
-                zeros_smems = [stage.zeros() for stage in stages]
-                plgpu.commit_smem()
-
-                @pl.loop(copier, num_zeros, step=copiers)
-                def _zero(z):
-                    for dst, kind in zip(dsts, kind_of, strict=True):
-                        zero_rows(dst, zero_dst_ref[z], zero_size_ref[z], zeros_smems[kind])
-
-            @pl.when(copier == 0)
-            def _arrivals():
-                pl.semaphore_wait(arrived, arrivals_ref[0])
-
-        pl.run_scoped(
-            copy_scope,
-            *(_stage_smem((num_wg,), box, width, dtype, copy_stages)
-              for box, (width, dtype) in zip(boxes, kinds, strict=True)),
-            plgpu.Barrier(num_arrivals=1, num_barriers=num_wg * copy_stages),
-            collective_axes="wg",
+        copier = program * num_wg + lax.axis_index("wg")
+        _with_copier_stages(
+            lambda stages: _return_copies(
+                stages, srcs, dsts, kind_of, tables, lambda t: counters.at[t],
+                counters.at[num_row_tiles], copier=copier, copiers=copy_programs * num_wg,
+                tile_signals=tile_signals, num_zeros=num_zeros, axis_name=axis_name,
+                local=local,
+            ),
+            kinds=kinds, boxes=boxes, num_wg=num_wg, copy_stages=copy_stages,
         )  # fmt: skip
 
 
@@ -1100,12 +1137,7 @@ def _gemm_return(
     part_k = lhs_sk.shape[1] // len(weights)
     if part_k % config.block_k:
         raise ValueError(f"each rhs part's K={part_k} must be a multiple of {config.block_k}")
-    programs = tuning.persistent_grid_size()
-    if not 0 < copy_programs < programs:
-        raise ValueError(
-            f"copy_programs={copy_programs} (MoEConfig.exchange_programs) must be in "
-            f"[1, {programs}): this GPU runs {programs} programs, and some must run the GEMMs"
-        )
+    programs = _programs(copy_programs)
     # As in the dispatch: whole 8-row tiles, at least block_m rows (rows past S: zeros in lhs,
     # stored by no tile, sliced off); a row scale is read for whole tiles.
     kernel_rows = max(pl.cdiv(num_slots, 8) * 8, config.block_m)
@@ -1157,3 +1189,249 @@ def _gemm_return(
     y = y[:num_slots] if kernel_rows != num_slots else y
     sides_out = tuple(_like(a, side) for a, side in zip(sides_out, sides, strict=True))
     return _like(y, lhs_sk), _like(out, lhs_sk), sides_out
+
+
+# ----------------------------------------------------------------------------------------------
+# The forward of a round in one kernel: dispatch, gate/up, down projection and return.
+
+
+def _forward_kernel(
+    schedule_ref,
+    src_ref,
+    side_ref,
+    tables_ref,
+    w_gate_ref,
+    w_up_ref,
+    w_down_ref,
+    buffer_ref,
+    side_out_ref,
+    h_ref,
+    y_ref,
+    out_ref,
+    *,
+    packed: _Packed,
+    swiglu_config,
+    down_config,
+    gemm_programs: int,
+    copy_programs: int,
+    kinds: tuple[tuple[int, jnp.dtype], ...],
+    boxes: tuple[int, ...],
+    return_box: int,
+    tile: int,
+    num_tiles: int,
+    num_row_tiles: int,
+    h_signals: int,
+    y_signals: int,
+    num_zeros: int,
+    num_return_zeros: int,
+    axis_name: str,
+    local: bool,
+    copy_stages: int,
+):
+    dispatch = packed.views(tables_ref, *_DISPATCH_TABLES)
+    back = packed.views(tables_ref, *(f"back_{name}" for name in _RETURN_TABLES))
+    wait_ref = dispatch[_DISPATCH_TABLES.index("arrivals_c")]
+    program = lax.axis_index("sm")
+    # F1. One set of counters for the kernel and every device (as in send_rows): a counter a
+    #     buffer tile (the dispatch's copies and zero ranges into it, O1), a counter a row
+    #     tile of h (the gate/up tiles' stores of it, the grouped GEMM's invariant 12), a
+    #     counter a row tile of y (the down tiles' stores), then the return's arrivals. The
+    #     two GEMMs share one schedule (the same block_m), so a row tile is the same rows in
+    #     both.
+    counters = pl.get_global(plgpu.SemaphoreType.REGULAR((num_tiles + 2 * num_row_tiles + 1,)))
+
+    def h_counter(mi):
+        return counters.at[num_tiles + mi]
+
+    def y_counter(mi):
+        return counters.at[num_tiles + num_row_tiles + mi]
+
+    def wait_h(mi, first, end):
+        """The down tile's h rows [first, end) are stored: every gate/up tile of row tile mi
+        has signalled from every consumer (h_signals)."""
+        del first, end
+        pl.semaphore_wait(h_counter(mi), h_signals, decrement=False)
+        _async_proxy_fence()  # invariant 6: before the tile's bulk loads of h
+
+    # F2. Programs [copy_programs, copy_programs + gemm_programs) run every gate/up tile of
+    #     theirs (O2: each once its buffer rows are in; each consumer signals the tile's row
+    #     of h once its stores completed), then every down tile of theirs, each once its row
+    #     tile of h has every signal (the producer) and once the routing weights of its rows
+    #     are in (each consumer, before it loads them: the grouped GEMM's invariant 13); each
+    #     consumer signals the tile's row of y once its stores completed. A down tile waits
+    #     for gate/up tiles, which every GEMM program runs before any down tile, and which
+    #     wait only for the copies: no cycle, all programs being resident (one a streaming
+    #     multiprocessor).
+    @pl.when(program >= copy_programs)
+    def _gemm():
+        wait_rows = functools.partial(_wait_tiles, counters, wait_ref, tile)
+        common = dict(programs=gemm_programs, first_program=copy_programs)
+        gmm_kernel.programs_body(
+            "swiglu", schedule_ref, buffer_ref, w_gate_ref, w_up_ref, h_ref,
+            config=swiglu_config, before_tile=lambda mi, first, end: wait_rows(first, end),
+            after_tile=lambda mi: _signal(h_counter(mi)), **common,
+        )  # fmt: skip
+        gmm_kernel.programs_body(
+            "scaled", schedule_ref, h_ref, w_down_ref, side_out_ref.at[:, 0], y_ref,
+            config=down_config, before_tile=wait_h, before_scale=wait_rows,
+            after_tile=lambda mi: _signal(y_counter(mi)), set_registers=False, **common,
+        )  # fmt: skip
+
+    # F3. Programs [0, copy_programs) copy, each warpgroup one copier: the dispatch of the rows
+    #     and their weights (`_dispatch_copies`), then the return of y (`_return_copies`, each
+    #     piece once the row tiles of y storing it have every signal). A copier's dispatch
+    #     waits for nothing; its return waits for this device's down tiles and the peers'
+    #     copiers, which wait for the dispatch of every device, which all copiers run first.
+    num_wg = swiglu_config.num_consumers + 1
+    copiers = copy_programs * num_wg
+
+    @pl.when(program < copy_programs)
+    def _copy():
+        copier = program * num_wg + lax.axis_index("wg")
+        _with_copier_stages(
+            lambda stages: _dispatch_copies(
+                stages, (src_ref, side_ref), (buffer_ref, side_out_ref), (0, 1), dispatch,
+                counters, copier=copier, copiers=copiers, num_zeros=num_zeros,
+                axis_name=axis_name, local=local,
+            ),
+            kinds=kinds, boxes=boxes, num_wg=num_wg, copy_stages=copy_stages,
+        )  # fmt: skip
+        _with_copier_stages(
+            lambda stages: _return_copies(
+                stages, (y_ref,), (out_ref,), (0,), back, y_counter,
+                counters.at[num_tiles + 2 * num_row_tiles], copier=copier, copiers=copiers,
+                tile_signals=y_signals, num_zeros=num_return_zeros, axis_name=axis_name,
+                local=local,
+            ),
+            kinds=((y_ref.shape[1], jnp.dtype(y_ref.dtype)),), boxes=(return_box,),
+            num_wg=num_wg, copy_stages=copy_stages,
+        )  # fmt: skip
+
+
+def dispatch_mlp_return(
+    src_ad: Array,
+    side_ac: Array,
+    moves: Moves,
+    back: Moves,
+    round_index: Array,
+    w_gate_gdf: Array,
+    w_up_gdf: Array,
+    w_down_gfd: Array,
+    group_sizes_g: Array,
+    *,
+    out_rows: int,
+    tile: int,
+    axis_name: str,
+    copy_programs: int = 24,
+    copy_stages: int = 1,
+) -> tuple[Array, Array, Array, Array, Array]:
+    """The forward of round `round_index` in one kernel: the dispatch, the gate/up GEMMs, the
+    down projection and the return, overlapped -> (buffer [out_rows, D], side [out_rows, C],
+    h [out_rows, F], y f32 [out_rows, D], out f32 [A, D]).
+
+    `dispatch_swiglu(src, side, moves, ...)` then `down_return(h, side[:, 0], w_down,
+    group_sizes, back, ...)`, bit for bit, in one kernel: copy programs dispatch the rows
+    src [A, D] and their routing weights side f32 [A, C] (column 0; a row a multiple of 16
+    bytes), then return each piece of y to its source's rows as soon as the row tiles
+    storing it are stored; the GEMM programs run each gate/up tile once its buffer rows are
+    in, then each down tile once its row tile of h is stored (every gate/up tile of it),
+    with the weights of the dispatched side in its epilogue. out is the rows every device's
+    `back` copies here (rows of other rounds unspecified), zeros in `back`'s zero ranges;
+    buffer and side rows no copy or zero range fills are unspecified. Call inside
+    `jax.shard_map` over `axis_name`. Written in session 17 and lowered for CUDA on the
+    CPU; not yet run on a GPU."""
+    moves.check()
+    back.check()
+    _check_copy_stages(copy_stages)
+    _check_sides((side_ac,), src_ad.shape[0], f"the rows {src_ad.shape}")
+    if side_ac.dtype != jnp.float32:
+        raise ValueError(f"the side (the weights in column 0) must be f32, got {side_ac.dtype}")
+    if back.arrivals_c.shape != (1,):
+        raise ValueError(f"the return counts on one counter, got arrivals {back.arrivals_c.shape}")
+    weights = (w_gate_gdf, w_up_gdf)
+    gmm_kernel._check_inputs(src_ad, weights, group_sizes_g, ("w_gate", "w_up"))
+    if w_down_gfd.dtype != src_ad.dtype:
+        raise ValueError(f"w_down's dtype {w_down_gfd.dtype} must be the rows' {src_ad.dtype}")
+    num_rows, d_model = src_ad.shape
+    d_ff = w_gate_gdf.shape[2]
+    if w_gate_gdf.shape[1] != d_model or w_down_gfd.shape != (w_gate_gdf.shape[0], d_ff, d_model):
+        raise ValueError(
+            f"w_gate {w_gate_gdf.shape} must be [G, D={d_model}, F] and w_down "
+            f"{w_down_gfd.shape} [G, F, D]"
+        )
+    num_tiles = moves.arrivals_c.shape[0]
+    if num_tiles * tile != out_rows:
+        raise ValueError(f"{num_tiles} counters of {tile} rows must cover out_rows={out_rows}")
+    dtype = src_ad.dtype
+    swiglu_config = gmm_kernel.programs_config("swiglu", n=d_ff, dtype=dtype)
+    down_config = gmm_kernel.programs_config("scaled", n=d_model, dtype=dtype)
+    shared = ("block_m", "num_consumers")
+    if any(getattr(swiglu_config, a) != getattr(down_config, a) for a in shared):
+        raise ValueError(
+            f"the forward in one kernel needs its gate/up and down tiles to share block_m and "
+            f"num_consumers, and at D={d_model}, F={d_ff} they do not ({swiglu_config} against "
+            f"{down_config}; on the H200's tiles D must be a multiple of 128): use "
+            f"exchange_fusion='per_gemm'"
+        )
+    itemsize = jnp.dtype(dtype).itemsize
+    gmm_kernel._check_config(swiglu_config, k=d_model, n=d_ff, itemsize=itemsize,
+                             out_itemsize=itemsize, nr=2)  # fmt: skip
+    gmm_kernel._check_config(down_config, k=d_ff, n=d_model, itemsize=itemsize, out_itemsize=4,
+                             nr=1)  # fmt: skip
+    programs = _programs(copy_programs)
+    block_m = swiglu_config.block_m
+    # As in the two kernels: whole 8-row tiles, at least block_m rows; the routing weights are
+    # read for whole row tiles, so the side has block_m rows more (unfilled: their rows are
+    # not stored).
+    kernel_rows = max(pl.cdiv(out_rows, 8) * 8, block_m)
+    kinds, _ = _stage_kinds((src_ad, side_ac))
+    groups_end = jnp.sum(group_sizes_g, dtype=jnp.int32)
+    zero_first_z, zero_end_z, wait_c = _zero_signals(moves, groups_end, tile, num_tiles)
+    schedule_t4 = gmm_kernel.schedule_table(group_sizes_g, num_rows=out_rows, tile_m=block_m)
+    num_row_tiles = schedule_t4.shape[0]
+    first_p, end_p = _row_tile_waits(back, schedule_t4)
+    named = _moves_tables(moves, round_index)
+    named |= {"arrivals_c": wait_c, "zero_first_z": zero_first_z, "zero_end_z": zero_end_z}
+    back_named = _moves_tables(back, round_index) | {"first_p": first_p, "end_p": end_p}
+    named |= {f"back_{name}": back_named[name] for name in _RETURN_TABLES}
+    num_counters = num_tiles + 2 * num_row_tiles + 1
+    tables, packed = _pack(named, counters=num_counters)
+    kernel = functools.partial(
+        _forward_kernel,
+        packed=packed,
+        swiglu_config=swiglu_config,
+        down_config=down_config,
+        gemm_programs=programs - copy_programs,
+        copy_programs=copy_programs,
+        kinds=kinds,
+        boxes=_dispatch_boxes(kinds),
+        return_box=stage_rows(d_model, 4),
+        tile=tile,
+        num_tiles=num_tiles,
+        num_row_tiles=num_row_tiles,
+        h_signals=(d_ff // swiglu_config.block_n) * swiglu_config.num_consumers,
+        y_signals=(d_model // down_config.block_n) * down_config.num_consumers,
+        num_zeros=moves.zero_dst_z.shape[0],
+        num_return_zeros=back.zero_dst_z.shape[0],
+        axis_name=axis_name,
+        local=lax.axis_size(axis_name) == 1,
+        copy_stages=copy_stages,
+    )
+    out_types = (
+        jax.ShapeDtypeStruct((kernel_rows, d_model), dtype),
+        jax.ShapeDtypeStruct((kernel_rows + block_m, side_ac.shape[1]), side_ac.dtype),
+        jax.ShapeDtypeStruct((kernel_rows, d_ff), dtype),
+        jax.ShapeDtypeStruct((kernel_rows, d_model), jnp.float32),
+        jax.ShapeDtypeStruct((num_rows, d_model), jnp.float32),
+    )
+    buffer, side, h, y, out = plgpu.kernel(
+        kernel,
+        out_type=out_types,
+        grid=(programs,),
+        grid_names=("sm",),
+        num_threads=swiglu_config.num_consumers + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )(schedule_t4, src_ad, side_ac, tables, w_gate_gdf, w_up_gdf, w_down_gfd)
+    buffer, side, h, y = (a[:out_rows] for a in (buffer, side, h, y))
+    return tuple(_like(a, src_ad) for a in (buffer, side, h, y, out))

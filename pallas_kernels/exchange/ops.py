@@ -98,6 +98,7 @@ class _MlpStatic:
     recompute: grouped_ops.Recompute
     copy_programs: int
     grad_copy_programs: int
+    one_kernel_forward: bool
     interpret: bool
 
 
@@ -190,10 +191,20 @@ def _dispatch_mlp(static, x_nd, scale_n, moves, back, round_index, w_gate, w_up,
 
 def _dispatch_mlp_fwd(static, x_nd, scale_n, moves, back, round_index, w_gate, w_up, w_down,
                       group_sizes):  # fmt: skip
-    _, scale_s, h = _dispatch_gate_up(
-        static, x_nd, scale_n, moves, round_index, w_gate, w_up, group_sizes
-    )
-    out = _down_return(static, h, scale_s, w_down, group_sizes, back, round_index, x_nd.shape[0])
+    if static.one_kernel_forward and static.copy_programs and not static.interpret:
+        # The round's whole forward in one kernel: the same bits as the two below.
+        *_, out = mosaic_gpu.dispatch_mlp_return(
+            x_nd, _column4(scale_n), moves, back, round_index, w_gate, w_up, w_down,
+            group_sizes, out_rows=static.out_rows, tile=static.tile,
+            axis_name=static.axis_name, copy_programs=static.copy_programs,
+        )  # fmt: skip
+    else:
+        _, scale_s, h = _dispatch_gate_up(
+            static, x_nd, scale_n, moves, round_index, w_gate, w_up, group_sizes
+        )
+        out = _down_return(
+            static, h, scale_s, w_down, group_sizes, back, round_index, x_nd.shape[0]
+        )
     # The rows, not the buffer: the backward dispatches them again, with the cotangent.
     residuals = (x_nd, scale_n, w_gate, w_up, w_down, group_sizes, moves, back, round_index)
     return out, residuals
@@ -330,6 +341,7 @@ def dispatch_mlp(
     recompute: grouped_ops.Recompute = "gmm",
     copy_programs: int = 24,
     grad_copy_programs: int | None = None,
+    one_kernel_forward: bool = False,
     interpret: bool = False,
 ) -> Array:
     """Round `round_index` of the exchange and the expert MLP: this device's rows x [N, D] with
@@ -356,7 +368,11 @@ def dispatch_mlp(
     recompute "kernel" (whose first GEMM also recomputes gate and up), in kernels of their
     own. With grad_copy_programs > 0 the rows' gradient returns to them inside the kernel of
     the GEMM that computes it, with the routing weights' gradient (`mosaic_gpu.dgrad_return`,
-    either recompute)."""
+    either recompute).
+
+    one_kernel_forward (with copy_programs > 0, on a GPU): the forward's dispatch, GEMMs and
+    return in one kernel (`mosaic_gpu.dispatch_mlp_return`, the same bits; not yet run on a
+    GPU)."""
     grad_copy_programs = copy_programs if grad_copy_programs is None else grad_copy_programs
     if copy_programs < 0 or grad_copy_programs < 0:
         raise ValueError(f"copy_programs={copy_programs} and grad_copy_programs="
@@ -365,7 +381,7 @@ def dispatch_mlp(
         raise ValueError(f"recompute={recompute!r} must be one of {grouped_ops.RECOMPUTES}")
     static = _MlpStatic(out_rows=out_rows, tile=tile, axis_name=axis_name, recompute=recompute,
                         copy_programs=copy_programs, grad_copy_programs=grad_copy_programs,
-                        interpret=interpret)  # fmt: skip
+                        one_kernel_forward=one_kernel_forward, interpret=interpret)  # fmt: skip
     # As swiglu_mlp does: every operand varies over the mesh axes any of them varies over (an
     # operand made to vary gets its gradient summed over those axes).
     x_nd, scale_n, w_gate_gdf, w_up_gdf, w_down_gfd, group_sizes_g = grouped_ops.vary_alike(

@@ -116,6 +116,11 @@ Invariants (numbered; the tests check each):
      copy programs, first in the grid) cannot hold them up. Checked with the exchange's
      kernel (tests/pallas_kernels/exchange: `down_return`'s GPU twin, and the host test of
      the waits).
+ 13. With `before_scale` (`programs_body`: a row scale that other programs of the same kernel
+     write, the exchange's forward in one kernel), each consumer waits for the scale of the
+     rows a tile stores before it loads the tile's scale. The producer's waits (invariant 11)
+     do not order the consumers' own loads of the scale, which are not the producer's TMA
+     loads; rows the consumer loads and does not store may still be arriving (invariant 4).
 """
 
 from __future__ import annotations
@@ -257,15 +262,20 @@ def _kernel(
     swiglu_bwd: bool = False,
     programs: int | None = None,
     first_program: int = 0,
-    before_tile: Callable[[Array, Array], None] | None = None,
+    before_tile: Callable[[Array, Array, Array], None] | None = None,
     after_tile: Callable[[Array], None] | None = None,
+    before_scale: Callable[[Array, Array], None] | None = None,
+    set_registers: bool = True,
 ):
     # programs: the programs of the "sm" axis that run output tiles (None: all of them); a
     # kernel that gives its other programs other work calls this body from programs
-    # [first_program, first_program + programs) only (invariant 11). before_tile(first, end):
-    # the producer's wait for lhs rows [first, end), which a tile stores, before its first load.
-    # after_tile(mi): each consumer's signal that its stores of a tile of row tile mi have
-    # completed (invariant 12).
+    # [first_program, first_program + programs) only (invariant 11). before_tile(mi, first,
+    # end): the producer's wait for lhs rows [first, end), which a tile of row tile mi stores,
+    # before its first load. after_tile(mi): each consumer's signal that its stores of a tile
+    # of row tile mi have completed (invariant 12). before_scale(first, end): each consumer's
+    # wait, before it loads a tile's row scale, for the scale of rows [first, end), which the
+    # tile stores (invariant 13). set_registers: the warpgroups set their register budgets
+    # (False: a second body in the same kernel, whose first body set them).
     # swiglu_bwd (invariant 10): a second lhs (dy) and three rhs (w_gate, w_up with lhs, w_down
     # transposed with dy); the outputs h, [d_gate | d_up] and the d_s partial sums.
     dy_ref, refs = (refs[0], refs[1:]) if swiglu_bwd else (None, refs)
@@ -445,16 +455,15 @@ def _kernel(
         #    `stages` steps, across tile boundaries.
         @pl.when(wg == num_consumers)
         def _producer():
-            plgpu.set_max_registers(ring.PRODUCER_REGISTERS, action="decrease")
+            if set_registers:
+                plgpu.set_max_registers(ring.PRODUCER_REGISTERS, action="decrease")
 
             @tile_loop
             def num_steps(mi, ni, group, row0, lo, hi, runs, step0):
-                del mi
-
                 @pl.when(runs)
                 def _load_tile():
                     if before_tile is not None:
-                        before_tile(row0 + lo, row0 + hi)
+                        before_tile(mi, row0 + lo, row0 + hi)
 
                     @pl.loop(0, k_steps)
                     def _load_step(k):
@@ -527,7 +536,8 @@ def _kernel(
         #    warpgroup its own rows (consumer_dim "m") or columns ("n"), then the epilogue.
         @pl.when(wg < num_consumers)
         def _consumers():
-            plgpu.set_max_registers(ring.consumer_registers(num_consumers), action="increase")
+            if set_registers:
+                plgpu.set_max_registers(ring.consumer_registers(num_consumers), action="increase")
             # This consumer's part of the tile: rows [row_off, row_off + consumer_m) and
             # columns [col_off, col_off + consumer_n).
             row_off = pl.multiple_of(wg * consumer_m, 64) if split_m else 0
@@ -633,6 +643,8 @@ def _kernel(
 
                     def acc_scope(*accs):
                         if has_row_scale:
+                            if before_scale is not None:
+                                before_scale(row0 + lo, row0 + hi)  # invariant 13
                             # Loaded before the K loop, so its latency hides behind it.
                             scale = plgpu.load(
                                 scale_ref.at[pl.ds(row0 + row_off, consumer_m)],
@@ -929,8 +941,10 @@ def programs_body(
     config: TileConfig,
     programs: int,
     first_program: int,
-    before_tile: Callable[[Array, Array], None] | None = None,
+    before_tile: Callable[[Array, Array, Array], None] | None = None,
     after_tile: Callable[[Array], None] | None = None,
+    before_scale: Callable[[Array, Array], None] | None = None,
+    set_registers: bool = True,
 ) -> None:
     """A grouped GEMM's kernel body in programs [first_program, first_program + programs) of a
     kernel of more programs (its grid axis named "sm", warpgroups "wg", num_consumers + 1 of
@@ -947,10 +961,14 @@ def programs_body(
     `schedule_table(group_sizes, num_rows=M, tile_m=config.block_m)`; outputs as those
     functions compute them, rows past M unspecified.
 
-    `before_tile(first, end)` runs in the producer before a tile's first load and returns once
-    lhs rows [first, end), the rows the tile stores, are in place (invariant 11). Each consumer
-    calls `after_tile(mi)` once its stores of a tile of row tile mi have completed (invariant
-    12): N / block_n * num_consumers calls a row tile that stores rows."""
+    `before_tile(mi, first, end)` runs in the producer before a tile's first load and returns
+    once lhs rows [first, end), the rows the tile (of row tile mi) stores, are in place
+    (invariant 11). Each consumer calls `after_tile(mi)` once its stores of a tile of row tile
+    mi have completed (invariant 12): N / block_n * num_consumers calls a row tile that stores
+    rows. With a row scale, each consumer calls `before_scale(first, end)` before it loads
+    the scale of a tile that stores rows [first, end) (invariant 13). A kernel that runs two
+    bodies one after the other in the same programs (pallas_kernels/exchange's forward)
+    passes set_registers=False to the second: the first set the warpgroups' registers."""
     _check_programs_gemm(gemm)
     _kernel(
         schedule_ref,
@@ -965,6 +983,8 @@ def programs_body(
         first_program=first_program,
         before_tile=before_tile,
         after_tile=after_tile,
+        before_scale=before_scale,
+        set_registers=set_registers,
         **_PROGRAMS_GEMMS[gemm],
     )
 

@@ -62,6 +62,8 @@ def test_dtype_forms(dtype):
         (dict(aux_loss_coef=-1.0), r"aux_loss_coef=-1.0 must be finite and >= 0"),
         (dict(routed_scaling=float("nan")), r"routed_scaling=nan must be finite"),
         (dict(norm_topk_prob=1), r"norm_topk_prob=1 must be a bool"),
+        (dict(exchange_on_one_device="yes"), r"exchange_on_one_device='yes' must be a bool"),
+        (dict(exchange_fusion="all"), r"exchange_fusion='all' must be one of"),
         (dict(num_shared_experts=-1), r"num_shared_experts=-1 must be >= 0"),
         (dict(token_chunk=4), r"token_chunk=4 must be >= 8"),
         (dict(token_chunk=12), r"token_chunk=12 must be a multiple of 8"),

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 import pytest
 
-from mok_jax import make_mesh, presets
+from mok_jax import exchange_protocol, make_mesh, presets
 from pallas_kernels.exchange import mosaic_gpu, reference
 from tests.mok_jax.cases import (
     SCALED_PRESETS,
@@ -64,6 +64,13 @@ OVERLAPPED_INPUT_GRAD = re.compile(
     r"tensor<\2x4xf32>, tensor<\d+xi32>"
 )
 
+# dispatch_mlp_return's custom call (a round's forward in one kernel): the buffer [S, D], its
+# routing weights [S + block_m, 4] f32, h [S, F], y [S, D] f32 and the rows back [N, D] f32.
+ONE_KERNEL_FORWARD = re.compile(
+    r"custom_call @mosaic_gpu.*-> \(tensor<(\d+)x(\d+)xbf16>, tensor<\d+x4xf32>, "
+    r"tensor<\1x\d+xbf16>, tensor<\1x\2xf32>, tensor<\d+x\2xf32>"
+)
+
 # Small enough for interpret mode: 8 experts, top-2, 8-row tiles (D = F = 64); a window of a
 # quarter of the balanced load, so the exchange takes several rounds, and an exchange tile of 4
 # rows, so an expert's rows of a round span several tiles.
@@ -86,27 +93,31 @@ def one_device(cfg, seed):
 
 
 def test_two_devices_equal_one():
-    """EP 2 in several rounds, with two exchange tiles; then 2 devices on the data axis (EP 1:
-    the exchange's copies go to the device itself)."""
+    """EP 2 in several rounds, with two exchange tiles; then 2 devices on the data axis (EP 1),
+    with the exchange (its copies go to the device itself, in several rounds) and without it
+    (the default there: each device runs `fused` as without a mesh, in one round)."""
     x, params, cotangent = random_inputs(QWEN3, NUM_TOKENS, 0)
     base = one_device(QWEN3, 0)
     ep2 = make_mesh("expert", devices=jax.devices()[:2])
     dp2 = make_mesh("data_expert", data=2, devices=jax.devices()[:2])
+    with_exchange = with_impl(QWEN3, "fused", exchange_on_one_device=True)
     with gpu_interpret_on_several_devices():
-        for mesh, cfg in ((ep2, QWEN3), (ep2, with_impl(QWEN3, "fused", exchange_tile=3)),
-                          (dp2, QWEN3)):  # fmt: skip
+        for mesh, cfg, several in (
+            (ep2, QWEN3, True),
+            (ep2, with_impl(QWEN3, "fused", exchange_tile=3), True),
+            (dp2, with_exchange, True),
+            (dp2, QWEN3, False),
+        ):
             result = value_and_grads(x, params, cotangent, cfg, mesh)
-            assert int(result[0][1][1].rounds) >= 2
+            rounds = int(result[0][1][1].rounds)
+            assert rounds >= 2 if several else rounds == 1
             assert_same_rows(result, base, QWEN3.dtype)
 
 
-@pytest.mark.parametrize("recompute", ["gmm", "kernel"])
-def test_nothing_reads_the_rows_the_kernel_leaves_unspecified(recompute):
-    """The exchange kernel leaves unspecified every output row no copy fills and no zero range
-    covers: here the reference fills them with NaN (EP 2, several rounds), and y, dx and every
-    parameter gradient must still be finite and, for y and dx, the bits of one device."""
-    cfg = with_impl(QWEN3, "fused", fused_recompute=recompute)
-    x, params, cotangent = random_inputs(cfg, NUM_TOKENS, 0)
+def nan_run(cfg, num_tokens: int):
+    """'fused' on an EP 2 mesh with every output row the exchange leaves unspecified filled
+    with NaN by its spec: ((loss, (y, aux)), (dx, dparams))."""
+    x, params, cotangent = random_inputs(cfg, num_tokens, 0)
     nan_reference = functools.partial(reference.send_rows, unfilled=float("nan"))
     ep2 = make_mesh("expert", devices=jax.devices()[:2])
     with (
@@ -114,10 +125,56 @@ def test_nothing_reads_the_rows_the_kernel_leaves_unspecified(recompute):
         mock.patch.object(reference, "send_rows", nan_reference),
     ):
         # A fresh jit: the patched reference must be traced, not a cached trace reused.
-        result = value_and_grads_fn()(x, params, cotangent, cfg, ep2)
+        return value_and_grads_fn()(x, params, cotangent, cfg, ep2)
+
+
+# A buffer with many slots past the groups: 128 tokens a device (256 rows) in one round of a
+# window of 512 rows, so that more than TAIL_ZERO_ROWS slots past the groups stay unspecified.
+WIDE_TOKENS = 256
+
+
+@pytest.mark.parametrize(
+    "recompute,buffer_factor,num_tokens",
+    [("gmm", 0.25, NUM_TOKENS), ("kernel", 0.25, NUM_TOKENS), ("gmm", 4.0, WIDE_TOKENS)],
+)
+def test_nothing_reads_the_rows_the_kernel_leaves_unspecified(recompute, buffer_factor,
+                                                              num_tokens):  # fmt: skip
+    """The exchange kernel leaves unspecified every output row no copy fills and no zero range
+    covers: here the reference fills them with NaN (EP 2: several rounds, or with a wide
+    window one round whose buffer has more than TAIL_ZERO_ROWS slots past the groups), and
+    y, dx and every parameter gradient must still be finite and, for y and dx, the bits of
+    one device."""
+    cfg = with_impl(QWEN3, "fused", fused_recompute=recompute, buffer_factor=buffer_factor)
+    result = nan_run(cfg, num_tokens)
     for leaf in jax.tree.leaves(result):
         assert np.isfinite(np.asarray(leaf, np.float32)).all(), leaf
-    assert_same_rows(result, one_device(cfg, 0), cfg.dtype)
+    if num_tokens == WIDE_TOKENS:
+        aux = result[0][1][1]
+        assert int(aux.rounds) == 1
+        # The window: min(4 x 256 rows, 128 tokens x top-2 x EP 2) = 512 rows, 4 experts a
+        # device; a device's groups end at its rows, each expert's padded to whole tiles.
+        tile = cfg.exchange_tile
+        slots = exchange_protocol.num_tiles(512, tile, 4) * tile
+        counts_dg = np.asarray(aux.tokens_per_expert).reshape(2, 4)
+        ends_d = np.sum(-(-counts_dg // tile) * tile, axis=1)
+        assert (slots - ends_d > exchange_protocol.TAIL_ZERO_ROWS).any(), (slots, ends_d)
+        base = value_and_grads(*random_inputs(cfg, num_tokens, 0), cfg, None)
+    else:
+        base = one_device(cfg, 0)
+    assert_same_rows(result, base, cfg.dtype)
+
+
+def test_the_weight_gradients_read_the_zeroed_slots_past_the_groups():
+    """The control of the test above: the weight gradients' kernel reads up to block_k - 1
+    slots past the groups (exchange tiles of 4 rows, blocks of 64 in interpret mode), so with
+    no zeroed slots there (TAIL_ZERO_ROWS 0) the NaN the spec leaves there reach d_w_gate and
+    d_w_up. This is why the dispatch zeroes TAIL_ZERO_ROWS of them."""
+    cfg = with_impl(QWEN3, "fused", buffer_factor=4.0)
+    with mock.patch.object(exchange_protocol, "TAIL_ZERO_ROWS", 0):
+        (_, _), (dx, dparams) = nan_run(cfg, WIDE_TOKENS)
+    assert np.isfinite(np.asarray(dx, np.float32)).all()
+    assert not np.isfinite(np.asarray(dparams.w_gate, np.float32)).all()
+    assert not np.isfinite(np.asarray(dparams.w_up, np.float32)).all()
 
 
 @pytest.mark.parametrize("layout", ["ep8", "dp2xep4"])
@@ -183,17 +240,36 @@ def test_lowered_for_cuda_on_8_devices(layout):
         assert OVERLAPPED_DISPATCH.search(text)
         assert not OVERLAPPED_COTANGENT.search(text)
         assert len(OVERLAPPED_INPUT_GRAD.findall(text)) == 2
+        # exchange_fusion "forward": a round's forward is one kernel (at least twice, as the
+        # two it replaces), with the reader's fence; the backward's kernels stay. Its down
+        # tiles split between two consumers as the gate/up ones do: D a multiple of 128.
+        narrow = dataclasses.replace(cfg, exchange_fusion="forward")
+        with pytest.raises(ValueError, match="exchange_fusion='per_gemm'"):
+            lowered_with_kernels(x, params, cotangent, narrow, mesh)
+        one_kernel = dataclasses.replace(cfg, d_model=128, exchange_fusion="forward")
+        x, params, cotangent = random_inputs(one_kernel, 64, 0)
+        text = lowered_with_kernels(x, params, cotangent, one_kernel, mesh)
+        forward = [line for line in text.splitlines() if ONE_KERNEL_FORWARD.search(line)]
+        assert len(forward) >= 2 and all(mosaic_gpu.PROXY_FENCE in line for line in forward)
+        assert not OVERLAPPED_DISPATCH.search(text)
+        assert not OVERLAPPED_RETURN.search(text)
+        assert len(OVERLAPPED_COTANGENT.findall(text)) == 2
+        assert len(OVERLAPPED_INPUT_GRAD.findall(text)) == 2
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(num_gpus() < 1, reason="needs a GPU")
 def test_gpu_one_device_mesh_equals_no_mesh():
     """On one GPU: a 1-device mesh (the exchange's kernels copy to the device itself, in
-    several rounds) against `fused` without a mesh, at a real width."""
+    several rounds) against `fused` without a mesh, at a real width; and the mesh's default
+    there, `fused` as without a mesh (no exchange, one round)."""
     cfg = dataclasses.replace(presets["qwen3_30b_a3b"], implementation="fused", buffer_factor=0.3)
     x, params, cotangent = random_inputs(cfg, 2048, 0)
     base = value_and_grads(x, params, cotangent, cfg, None)
     mesh = make_mesh("expert", devices=jax.devices()[:1])
-    result = value_and_grads(x, params, cotangent, cfg, mesh)
-    assert int(result[0][1][1].rounds) >= 2
-    assert_same_rows(result, base, cfg.dtype)
+    with_exchange = dataclasses.replace(cfg, exchange_on_one_device=True)
+    for run_cfg, several in ((with_exchange, True), (cfg, False)):
+        result = value_and_grads(x, params, cotangent, run_cfg, mesh)
+        rounds = int(result[0][1][1].rounds)
+        assert rounds >= 2 if several else rounds == 1
+        assert_same_rows(result, base, cfg.dtype)

@@ -199,6 +199,24 @@ def planned_buffers(counts_se, x_snd, num_local, window, tile):
     return buf, filled, rounds
 
 
+def specified_slots(counts_se, num_local, num_rows, window, tile, round_index):
+    """[EP, S] bool: the slots of each device's buffer in a round that the dispatch specifies,
+    those a row fills and those its zero ranges cover (the padding inside the groups and the
+    first TAIL_ZERO_ROWS past them); the kernel leaves the others unspecified."""
+    t = exchange.traffic(jnp.asarray(counts_se), num_local)
+    slots = xp.num_tiles(window, tile, num_local) * tile
+    num_devices = counts_se.shape[0]
+    specified = np.zeros((num_devices, slots), bool)
+    for d in range(num_devices):
+        me, r = jnp.int32(d), jnp.int32(round_index)
+        dispatch, _ = xp.exchange_moves(t, me, r, num_rows, window, tile)
+        specified[d] = np.asarray(xp.buffer_layout(t, me, r, window, tile)[1])
+        for dst, size in zip(np.asarray(dispatch.zero_dst_z), np.asarray(dispatch.zero_size_z),
+                             strict=True):  # fmt: skip
+            specified[d, dst : dst + size] = True
+    return specified
+
+
 def planned_returns(counts_se, x_snd, num_local, window, tile, round_index):
     """[EP, N, D]: every device's rows of the round, zeros elsewhere (what the return brings
     back when the buffers are sent back as they came)."""
@@ -448,8 +466,11 @@ def test_gpu_dispatch_and_return_place_every_row(num_local, num_rows, window, ti
     t = exchange.traffic(jnp.asarray(counts_se), num_local)
     for r in range(rounds):
         buf, back = (np.asarray(a) for a in kernel(*placed(mesh, x, counts_se, r)))
-        # Every slot: the rows as planned, zeros elsewhere (the dispatch's zero ranges).
-        chex.assert_trees_all_equal(buf.reshape(num_devices, slots, -1), want[:, r])
+        # Every slot the dispatch specifies: the rows as planned, zeros in its zero ranges.
+        specified = specified_slots(counts_se, num_local, num_rows, window, tile, r)
+        chex.assert_trees_all_equal(
+            buf.reshape(num_devices, slots, -1)[specified], want[:, r][specified]
+        )
         # The return: every row of the round back in place (the others are unspecified).
         rows = planned_returns(counts_se, x_snd, num_local, window, tile, r)
         for s in range(num_devices):
@@ -578,7 +599,8 @@ def test_overlapped_waits_cover_every_stored_row(
     """The overlapped dispatch's protocol (dispatch_swiglu's, and dispatch_down_grad's: the same
     tables and waits, and the same 128-row GEMM tiles), replayed on the host from the tables
     the kernel gets, as its copiers and GEMM producers use them, every round and receiver:
-    each buffer slot is written once (a copy or a zero range); each counter's wait
+    each buffer slot up to TAIL_ZERO_ROWS past the groups is written once (a copy or a zero
+    range), none after them; each counter's wait
     (`_zero_signals`) is exactly the signals sent to it (no deadlock, no early return); and
     each slot the GEMMs store (before the groups' end) is written by a writer that signals
     that slot's own tile, the counter a tile storing the row waits for (no read before the
@@ -629,7 +651,9 @@ def test_overlapped_waits_cover_every_stored_row(
                     signals[c] += 1
                 for row in range(dst, dst + size):
                     signalled_by_writer[row].update(tiles_z)
-            chex.assert_trees_all_equal(writes, np.ones(slots, np.int64))
+            # Once up to TAIL_ZERO_ROWS past the groups' end; never after.
+            kept = min(groups_end + xp.TAIL_ZERO_ROWS, slots)
+            chex.assert_trees_all_equal(writes, (np.arange(slots) < kept).astype(np.int64))
             chex.assert_trees_all_equal(signals, wait_c.astype(np.int64))
             unsignalled = [q for q in range(groups_end) if q // tile not in signalled_by_writer[q]]
             assert not unsignalled, (r, d, unsignalled[:8])
@@ -655,8 +679,8 @@ def test_gpu_dispatch_swiglu_gives_the_bits_of_the_separate_kernels(
     num_local, num_rows, window, tile, copy_programs, copy_stages
 ):
     """The overlapped kernel's buffer, weights and h are those of send_rows then gmm_swiglu,
-    bit for bit, in every slot (filled, zeroed, and h's rows past the groups), round by
-    round, with few copy programs and many."""
+    bit for bit, in every slot the dispatch specifies (filled or zeroed) and, for h, in every
+    slot (past the groups, zeros), round by round, with few copy programs and many."""
     devices = jax.devices()
     mesh = jax.make_mesh((len(devices),), (AXIS,), devices=devices)
     d_model, d_ff = 2048, 768
@@ -675,7 +699,17 @@ def test_gpu_dispatch_swiglu_gives_the_bits_of_the_separate_kernels(
         # Other inputs each round (as in the down_return twin: no stale buffer can pass).
         inputs = dispatch_swiglu_inputs(mesh, num_local, num_rows, d_model, d_ff, seed=r)
         got, want = (run(*inputs, put(counts_se), put(jnp.int32(r))) for run in runs)
-        chex.assert_trees_all_equal(got, want)
+        specified = specified_slots(counts_se, num_local, num_rows, window, tile, r)
+        assert_specified_equal(got[:2], want[:2], specified)
+        chex.assert_trees_all_equal(got[2], want[2])
+
+
+def assert_specified_equal(got, want, specified) -> None:
+    """The dispatched arrays got and want (each [EP * S, C]) are equal, bit for bit, in every
+    slot the dispatch specifies (`specified_slots`, [EP, S])."""
+    for a, b in zip(got, want, strict=True):
+        a, b = (np.asarray(x).reshape(*specified.shape, -1) for x in (a, b))
+        chex.assert_trees_all_equal(a[specified], b[specified])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -795,7 +829,8 @@ def test_gpu_dispatch_down_grad_gives_the_bits_of_the_separate_kernels(
 ):
     """The overlapped kernel's dy, its sides (the layer's: dy_down, x and the weights, three
     arrays in two kinds of stage) and g are those of send_rows (for each) then the
-    transposed gmm, bit for bit, in every slot, round by round."""
+    transposed gmm, bit for bit, round by round: the dispatched arrays in every slot the
+    dispatch specifies, g in every slot."""
     devices = jax.devices()
     mesh = jax.make_mesh((len(devices),), (AXIS,), devices=devices)
     d_model, d_ff = 2048, 768
@@ -815,7 +850,9 @@ def test_gpu_dispatch_down_grad_gives_the_bits_of_the_separate_kernels(
         w_down, *rows = dispatch_down_grad_inputs(mesh, num_local, num_rows, d_model, d_ff,
                                                   num_sides, seed=r)  # fmt: skip
         got, want = (run(w_down, put(counts_se), put(jnp.int32(r)), *rows) for run in runs)
-        chex.assert_trees_all_equal(got, want)
+        specified = specified_slots(counts_se, num_local, num_rows, window, tile, r)
+        assert_specified_equal((got[0], *got[1]), (want[0], *want[1]), specified)
+        chex.assert_trees_all_equal(got[2], want[2])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1131,3 +1168,139 @@ def test_gpu_dgrad_return_gives_the_bits_of_the_separate_kernels(
         chex.assert_trees_all_equal(d_buffer, want_buffer)
         assert_round_rows_equal(d_x, want_x, t, r, num_rows, window, tile)
         assert_round_rows_equal(d_side, want_side, t, r, num_rows, window, tile)
+
+
+# ---------------------------------------------------------------------------------------------
+# The forward of a round in one kernel (`dispatch_mlp_return`).
+
+
+def forward_fn(num_local, num_rows, window, tile, *, copy_programs: int, copy_stages: int = 1):
+    """(x [EP * N, D], side [EP * N, 4], w_gate, w_up [EP * G, D, F], w_down [EP * G, F, D],
+    counts [EP, E], round []) -> (buffer [EP * S, D], side [EP * S, 4], h [EP * S, F], y f32
+    [EP * S, D], out f32 [EP * N, D]) inside shard_map: the round's forward in one kernel
+    (copy_programs > 0), or by send_rows, gmm_swiglu, the scaled gmm and send_rows (0)."""
+    from pallas_kernels.grouped_matmul import mosaic_gpu as grouped
+
+    slots = xp.num_tiles(window, tile, num_local) * tile
+
+    def body(x, side, w_gate, w_up, w_down, counts_se, round_index):
+        dispatch, back, group_sizes = round_tables(counts_se, round_index, num_local, num_rows,
+                                                   window, tile)  # fmt: skip
+        if copy_programs:
+            return mosaic_gpu.dispatch_mlp_return(
+                x, side, dispatch, back, round_index, w_gate, w_up, w_down, group_sizes,
+                out_rows=slots, tile=tile, axis_name=AXIS, copy_programs=copy_programs,
+                copy_stages=copy_stages,
+            )  # fmt: skip
+        send = functools.partial(mosaic_gpu.send_rows, axis_name=AXIS)
+        buf = send(x, dispatch, round_index, out_rows=slots)
+        side_s = send(side, dispatch, round_index, out_rows=slots)
+        h = mosaic_gpu._like(grouped.gmm_swiglu(buf, w_gate, w_up, group_sizes), buf)
+        y = grouped.gmm(h, w_down, group_sizes, row_scale_m=side_s[:, 0], out_dtype=jnp.float32)
+        y = mosaic_gpu._like(y, h)
+        return buf, side_s, h, y, send(y, back, round_index, out_rows=num_rows)
+
+    return body, slots
+
+
+def forward_inputs(mesh, num_local, num_rows, d_model, d_ff, seed=0):
+    """Random (x, side, w_gate, w_up, w_down) for forward_fn, placed on `mesh`."""
+    x, side, w_gate, w_up = dispatch_swiglu_inputs(mesh, num_local, num_rows, d_model, d_ff,
+                                                   seed=seed)  # fmt: skip
+    key = jax.random.fold_in(jax.random.key(seed), 1)
+    w_down = jax.random.normal(key, (mesh.devices.size * num_local, d_ff, d_model)) / d_ff**0.5
+    w_down = jax.device_put(w_down.astype(jnp.bfloat16), jax.NamedSharding(mesh, P(AXIS)))
+    return x, side, w_gate, w_up, w_down
+
+
+FORWARD_SPECS = dict(in_specs=(P(AXIS),) * 5 + (P(), P()), out_specs=(P(AXIS),) * 5)
+
+
+@pytest.mark.parametrize("copy_stages", [1, 4])
+def test_dispatch_mlp_return_lowers_for_cuda_inside_shard_map_on_8_devices(copy_stages):
+    """One kernel for the round's forward: its peers addressed through XLA's collective
+    metadata, its counters (a buffer tile each, a row tile of h and of y each, the arrivals)
+    one set for the kernel, fenced readers; bad arguments raise."""
+    from pallas_kernels.grouped_matmul import mosaic_gpu as grouped
+
+    num_devices, num_local, num_rows, window, tile = 8, 4, 512, 640, 64
+    d_model, d_ff = 2048, 768
+    mesh = jax.make_mesh((num_devices,), (AXIS,))
+    body, slots = forward_fn(num_local, num_rows, window, tile, copy_programs=16,
+                             copy_stages=copy_stages)  # fmt: skip
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, **FORWARD_SPECS))
+    sharded = lambda shape, dtype, spec: jax.ShapeDtypeStruct(  # noqa: E731
+        shape, dtype, sharding=jax.NamedSharding(mesh, spec)
+    )
+    weights = (num_devices * num_local, d_model, d_ff)
+    args = (
+        sharded((num_devices * num_rows, d_model), jnp.bfloat16, P(AXIS)),
+        sharded((num_devices * num_rows, 4), jnp.float32, P(AXIS)),
+        sharded(weights, jnp.bfloat16, P(AXIS)),
+        sharded(weights, jnp.bfloat16, P(AXIS)),
+        sharded((num_devices * num_local, d_ff, d_model), jnp.bfloat16, P(AXIS)),
+        sharded((num_devices, num_devices * num_local), jnp.int32, P()),
+        sharded((), jnp.int32, P()),
+    )
+    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
+    assert "uses_xla_collective_metadata = true" in text
+    assert "skip_device_barrier = false" in text
+    block_m = grouped.programs_config("swiglu", n=d_ff, dtype=jnp.bfloat16).block_m
+    counters = xp.num_tiles(window, tile, num_local) + 2 * (pl.cdiv(slots, block_m) + num_local)
+    assert re.search(rf"dims = \[\] : \(tensor<i32>\) -> tensor<{counters + 1}xi32>", text)
+    # The outputs: buffer, side (block_m rows more: the scale is read for whole tiles), h, y
+    # and the rows back.
+    assert re.search(
+        rf"-> \(tensor<{slots}x{d_model}xbf16>, tensor<{slots + block_m}x4xf32>, "
+        rf"tensor<{slots}x{d_ff}xbf16>, tensor<{slots}x{d_model}xf32>, "
+        rf"tensor<{num_rows}x{d_model}xf32>",
+        text,
+    )
+    assert_no_operand_can_share_the_counters(text)
+    assert_fences(text, fenced=True)
+    for programs in (132, 500):
+        bad, _ = forward_fn(num_local, num_rows, window, tile, copy_programs=programs)
+        bad = jax.jit(jax.shard_map(bad, mesh=mesh, **FORWARD_SPECS))
+        with pytest.raises(ValueError, match="copy_programs"):
+            bad.trace(*args)
+    # Weights in bf16 with a side in bf16, or a w_down of another width: refused.
+    with pytest.raises(ValueError, match="must be f32"):
+        fn.trace(args[0], sharded((num_devices * num_rows, 8), jnp.bfloat16, P(AXIS)), *args[2:])
+    narrow = sharded((num_devices * num_local, d_ff, 1024), jnp.bfloat16, P(AXIS))
+    with pytest.raises(ValueError, match="w_down"):
+        fn.trace(*args[:4], narrow, *args[5:])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "num_local,num_rows,window,tile,copy_programs,copy_stages",
+    [(4, 4096, 3072, 64, 16, 1), (3, 200, 96, 8, 1, 1), (8, 4096, 6144, 64, 64, 1),
+     (4, 4096, 3072, 64, 24, 4)],
+)  # fmt: skip
+def test_gpu_dispatch_mlp_return_gives_the_bits_of_the_separate_kernels(
+    num_local, num_rows, window, tile, copy_programs, copy_stages
+):
+    """The forward in one kernel gives the bits of send_rows, gmm_swiglu, the scaled gmm and
+    send_rows: the buffer and the weights in every slot the dispatch specifies, h and y in
+    every slot, the rows back on every row of the round, on every device, round by round."""
+    devices = jax.devices()
+    mesh = jax.make_mesh((len(devices),), (AXIS,), devices=devices)
+    d_model, d_ff = 2048, 768
+    counts_se = random_counts(5, len(devices), num_local, num_rows)
+    t = exchange.traffic(jnp.asarray(counts_se), num_local)
+    rounds = int(exchange.window_rounds(t, window))
+    runs = [
+        jax.jit(jax.shard_map(forward_fn(num_local, num_rows, window, tile, copy_programs=c,
+                                         copy_stages=copy_stages)[0],
+                              mesh=mesh, **FORWARD_SPECS))
+        for c in (copy_programs, 0)
+    ]  # fmt: skip
+    put = lambda a: jax.device_put(jnp.asarray(a), jax.NamedSharding(mesh, P()))  # noqa: E731
+    for r in range(rounds):
+        inputs = forward_inputs(mesh, num_local, num_rows, d_model, d_ff, seed=r)
+        got, want = (run(*inputs, put(counts_se), put(jnp.int32(r))) for run in runs)
+        specified = specified_slots(counts_se, num_local, num_rows, window, tile, r)
+        assert_specified_equal(got[:2], want[:2], specified)
+        chex.assert_trees_all_equal(got[2:4], want[2:4])
+        assert_round_rows_equal(got[4], want[4], t, r, num_rows, window, tile)
