@@ -193,7 +193,8 @@ class MoEConfig:
         has one device (data parallel only), whether the rows still go through the in-kernel
         exchange (copies to the device itself). False (the default): they are already on the
         device that owns their experts, so each device runs `fused` as without a mesh (no
-        rounds; fused_rows and fused_residuals apply), the same y and dx bits; on one H200
+        rounds; fused_residuals applies, and the rows are copied as under any mesh), the
+        same y and dx bits; on one H200
         the exchange's copies cost 15-19 % of the layer's forward+backward there
         (bench/results/2026-12-01_exchange_h200_s16/). True: the way to run and time the
         exchange's kernels on one GPU (the tests and benchmarks do). 'xla' and 'pallas'

@@ -50,10 +50,13 @@ from mok_jax.exchange import Traffic, exclusive_cumsum
 # them, zeroed by the dispatch; the others are left unspecified. The weight gradients' kernel
 # (mosaic_gpu_wgrad) reads a group's rows in blocks of block_k rows (64 on the H200 and in
 # interpret mode), so its last block may take up to block_k - 1 slots past the groups; it zeroes
-# them in the rhs tile and assumes the lhs finite there (its invariant 3), and the lhs of
-# d_w_gate and d_w_up is the dispatched rows. No other kernel needs values past the groups:
-# the grouped GEMMs compute the rows they load there and never store them (invariant 4 of
-# grouped_matmul/mosaic_gpu.py), and the return copies only the rows' own slots. Past the
+# them in the rhs tile with a select and assumes the lhs finite there (its invariant 3), and
+# the lhs of d_w_gate and d_w_up is the dispatched rows. No other kernel needs values past
+# the groups: the grouped GEMMs compute the rows they load there and never store them
+# (invariant 4 of grouped_matmul/mosaic_gpu.py), and the return copies only the rows' own
+# slots. XLA's elementwise steps between the kernels make NaN of them (dh = g * scale, with
+# the dispatched weights unspecified there), which stays in rows no kernel stores and which
+# the weight gradients select away: a mask by multiplication there would let it through. Past the
 # groups lies up to 1 - 1/buffer_factor of the buffer (half of it at EP > 1 by default),
 # ~170 MB an array at qwen3 with 4096 tokens a device, which the dispatch no longer writes.
 TAIL_ZERO_ROWS = 128

@@ -224,7 +224,8 @@ def _local_moe(x_td: Array, params: MoEParams, cfg: MoEConfig, axes: _Axes):
     # exchange's kernels are asked for there, `exchange_on_one_device`).
     local = axes.expert is None or (axes.expert_devices == 1 and not cfg.exchange_on_one_device)
     if fused and local:
-        y_nd, rounds = _fused_experts(x_td, routing, plan, params, cfg), jnp.ones((), jnp.int32)
+        y_nd = _fused_experts(x_td, routing, plan, params, cfg, meshed=axes.expert is not None)
+        rounds = jnp.ones((), jnp.int32)
     elif fused:
         y_nd, rounds = _fused_exchange(x_td, routing, plan, params, cfg, axes)
     else:
@@ -241,7 +242,7 @@ def moe_xla(x_td: Array, params: MoEParams, cfg: MoEConfig) -> tuple[Array, MoEA
 
 
 def _fused_experts(
-    x_td: Array, routing: Routing, plan: Plan, params: MoEParams, cfg: MoEConfig
+    x_td: Array, routing: Routing, plan: Plan, params: MoEParams, cfg: MoEConfig, *, meshed: bool
 ) -> Array:
     """The `fused` implementation's dispatch + experts + routing weights: tokens [T, D] ->
     weighted rows f32 [N, D] in expert order.
@@ -278,7 +279,9 @@ def _fused_experts(
             plan.inverse_n,
             cfg.top_k,
             cfg.dtype,
-            rows=cfg.fused_rows,
+            # Under a mesh the rows are copied, as MoEConfig.fused_rows says: the gathered rows'
+            # kernel cannot take operands that vary over mesh axes (its producer's warp_map).
+            rows="copied" if meshed else cfg.fused_rows,
             residuals=cfg.fused_residuals,
             recompute=cfg.fused_recompute,
             interpret=jax.default_backend() == "cpu",

@@ -167,9 +167,10 @@ def _fused_round(r, rows, weights, plan, spec: RoutedSpec) -> Array:
     # comes out of the dispatch as zeros, and so does the results' cotangent there (the
     # dispatch's zero ranges): zero rows add nothing to the weights' gradients, which sum over
     # whole row tiles. So do the first slots past the groups, which the weight gradients'
-    # kernel reads (exchange_protocol.TAIL_ZERO_ROWS); the slots after them are unspecified,
-    # and no kernel reads them. Rows of other rounds are unspecified: `_rounds` keeps each
-    # row's own round.
+    # kernel reads (exchange_protocol.TAIL_ZERO_ROWS); the slots after them are unspecified:
+    # the GEMMs compute rows they load there and never store them, and the weight gradients
+    # mask them out with a select (NaN there stays out). Rows of other rounds are
+    # unspecified: `_rounds` keeps each row's own round.
     with jax.named_scope("exchange_experts"):
         return exchange_ops.dispatch_mlp(
             x_nd,

@@ -32,8 +32,8 @@ every crossing (bench/results/2026-12-01_exchange_h200_s16/, call 3); the final 
 reader's fence alone and once after its waits, has not yet run on a GPU.
 `dispatch_mlp_return` (session 17) runs the whole forward of a round in one kernel: the
 dispatch, the gate/up tiles, the down tiles (each once its row tile of h is stored) and the
-return; it lowers for CUDA inside shard_map on 8 devices (CI) and has not yet run on a GPU,
-nor does the layer use it yet.
+return; it lowers for CUDA inside shard_map on 8 devices (CI) and has not yet run on a GPU
+(the layer runs it with MoEConfig.exchange_fusion="forward", not the default).
 
 Invariants (send_rows; the overlapped dispatch's O1-O3, down_return's R1-R3 and the forward
 kernel's F1-F3 are in their bodies):
@@ -1215,6 +1215,7 @@ def _forward_kernel(
     gemm_programs: int,
     copy_programs: int,
     kinds: tuple[tuple[int, jnp.dtype], ...],
+    kind_of: tuple[int, ...],
     boxes: tuple[int, ...],
     return_box: int,
     tile: int,
@@ -1290,7 +1291,7 @@ def _forward_kernel(
         copier = program * num_wg + lax.axis_index("wg")
         _with_copier_stages(
             lambda stages: _dispatch_copies(
-                stages, (src_ref, side_ref), (buffer_ref, side_out_ref), (0, 1), dispatch,
+                stages, (src_ref, side_ref), (buffer_ref, side_out_ref), kind_of, dispatch,
                 counters, copier=copier, copiers=copiers, num_zeros=num_zeros,
                 axis_name=axis_name, local=local,
             ),
@@ -1384,7 +1385,7 @@ def dispatch_mlp_return(
     # read for whole row tiles, so the side has block_m rows more (unfilled: their rows are
     # not stored).
     kernel_rows = max(pl.cdiv(out_rows, 8) * 8, block_m)
-    kinds, _ = _stage_kinds((src_ad, side_ac))
+    kinds, kind_of = _stage_kinds((src_ad, side_ac))
     groups_end = jnp.sum(group_sizes_g, dtype=jnp.int32)
     zero_first_z, zero_end_z, wait_c = _zero_signals(moves, groups_end, tile, num_tiles)
     schedule_t4 = gmm_kernel.schedule_table(group_sizes_g, num_rows=out_rows, tile_m=block_m)
@@ -1404,6 +1405,7 @@ def dispatch_mlp_return(
         gemm_programs=programs - copy_programs,
         copy_programs=copy_programs,
         kinds=kinds,
+        kind_of=kind_of,
         boxes=_dispatch_boxes(kinds),
         return_box=stage_rows(d_model, 4),
         tile=tile,

@@ -163,7 +163,10 @@ def _tgmm_kernel(
          first block, the next group's rows, rows of no group, or rows past M that TMA fills
          with zeros, after the group's end in the last block) are set to +0 in the rhs tile
          before the MMA of those two steps only, so they add exact zeros (finite lhs values
-         outside the group assumed). Every other step is whole rows of the group.
+         outside the group assumed). Every other step is whole rows of the group. The rhs
+         rows are replaced (a select), not multiplied by a mask: the exchange's buffers leave
+         rows past the groups unspecified, and NaN there must not reach the sums
+         (mok_jax/exchange_protocol.py, TAIL_ZERO_ROWS).
       4. Accumulation is f32 in registers (wgmma); one cast at the store.
       5. A stage is refilled only after every compute warpgroup released it, and a warpgroup
          releases a stage only after the wgmmas that read it completed: with delay_release=0

@@ -114,6 +114,21 @@ def test_two_devices_equal_one():
             assert_same_rows(result, base, QWEN3.dtype)
 
 
+@pytest.mark.parametrize("rows,residuals", [("gathered", "inputs"), ("copied", "gate_up")])
+def test_a_data_axes_mesh_runs_each_device_as_one(rows, residuals):
+    """2 devices on the data axis (an expert axis of one device): `fused` with gathered rows
+    (copied under a mesh: the gathered rows' kernel takes no operand that varies over mesh
+    axes) or with the forward's h, gate and up kept, as without a mesh: y and dx the bits of
+    one device, in one round."""
+    cfg = with_impl(QWEN3, "fused", fused_rows=rows, fused_residuals=residuals)
+    x, params, cotangent = random_inputs(cfg, NUM_TOKENS, 0)
+    dp2 = make_mesh("data_expert", data=2, devices=jax.devices()[:2])
+    with gpu_interpret_on_several_devices():
+        result = value_and_grads(x, params, cotangent, cfg, dp2)
+    assert int(result[0][1][1].rounds) == 1
+    assert_same_rows(result, one_device(cfg, 0), cfg.dtype)
+
+
 def nan_run(cfg, num_tokens: int):
     """'fused' on an EP 2 mesh with every output row the exchange leaves unspecified filled
     with NaN by its spec: ((loss, (y, aux)), (dx, dparams))."""
@@ -135,7 +150,12 @@ WIDE_TOKENS = 256
 
 @pytest.mark.parametrize(
     "recompute,buffer_factor,num_tokens",
-    [("gmm", 0.25, NUM_TOKENS), ("kernel", 0.25, NUM_TOKENS), ("gmm", 4.0, WIDE_TOKENS)],
+    [
+        ("gmm", 0.25, NUM_TOKENS),
+        ("kernel", 0.25, NUM_TOKENS),
+        ("gmm", 4.0, WIDE_TOKENS),
+        ("kernel", 4.0, WIDE_TOKENS),
+    ],
 )
 def test_nothing_reads_the_rows_the_kernel_leaves_unspecified(recompute, buffer_factor,
                                                               num_tokens):  # fmt: skip
