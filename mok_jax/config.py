@@ -194,11 +194,10 @@ class MoEConfig:
         exchange (copies to the device itself). False (the default): they are already on the
         device that owns their experts, so each device runs `fused` as without a mesh (no
         rounds; fused_residuals applies, and the rows are copied as under any mesh), the
-        same y and dx bits; on one H200
-        the exchange's copies cost 15-19 % of the layer's forward+backward there
-        (bench/results/2026-12-01_exchange_h200_s16/). True: the way to run and time the
-        exchange's kernels on one GPU (the tests and benchmarks do). 'xla' and 'pallas'
-        never run a collective on a 1-device expert axis.
+        same y and dx bits; on one H200 the exchange's copies cost 15-19 % of the layer's
+        forward+backward there (bench/results/2026-12-01_exchange_h200_s16/). True: the way
+        to run and time the exchange's kernels on one GPU (the tests and benchmarks do).
+        'xla' and 'pallas' never run a collective on a 1-device expert axis.
       token_chunk: tokens per step of the token-wise stages (routing, combine, shared experts),
         which run in fixed-shape chunks of this many tokens (zero-padded, at least two) so that
         a token's bits do not depend on how many tokens a device holds; None: 8 * row_tile
