@@ -135,12 +135,19 @@ def nan_run(cfg, num_tokens: int):
     x, params, cotangent = random_inputs(cfg, num_tokens, 0)
     nan_reference = functools.partial(reference.send_rows, unfilled=float("nan"))
     ep2 = make_mesh("expert", devices=jax.devices()[:2])
-    with (
-        gpu_interpret_on_several_devices(),
-        mock.patch.object(reference, "send_rows", nan_reference),
-    ):
-        # A fresh jit: the patched reference must be traced, not a cached trace reused.
-        return value_and_grads_fn()(x, params, cotangent, cfg, ep2)
+    # Traced afresh, and not kept: JAX's tracing caches (custom_vjp and loop bodies, keyed on
+    # the function and the static config) would otherwise hand this run a trace made without
+    # the patches, or a later run one made with them (the control test below patches
+    # TAIL_ZERO_ROWS).
+    jax.clear_caches()
+    try:
+        with (
+            gpu_interpret_on_several_devices(),
+            mock.patch.object(reference, "send_rows", nan_reference),
+        ):
+            return value_and_grads_fn()(x, params, cotangent, cfg, ep2)
+    finally:
+        jax.clear_caches()
 
 
 # A buffer with many slots past the groups: 128 tokens a device (256 rows) in one round of a
