@@ -1,8 +1,10 @@
-"""Test set-up: 8 fake CPU devices, strict dtype promotion, hypothesis profiles, the gpu marker,
-jax's compiled programs released after each test module."""
+"""Test set-up: 8 fake CPU devices, strict dtype promotion, GPU interpret mode's matmul in a
+fixed order, hypothesis profiles, the gpu marker, jax's compiled programs released after each
+test module."""
 
 import gc
 import os
+import types
 
 # Before jax initializes its backends: 8 simulated CPU devices for the sharded tests.
 _flags = os.environ.get("XLA_FLAGS", "")
@@ -10,11 +12,51 @@ if "xla_force_host_platform_device_count" not in _flags:
     os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=8".strip()
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
 # Every implicit promotion is an error: the library states its dtypes.
 jax.config.update("jax_numpy_dtype_promotion", "strict")
+
+
+def _matmul_in_k_order(a, b, dtype=None):
+    """a [M, K] @ b [K, N]: each output element adds its K products in order of k, in `dtype`.
+
+    GPU interpret mode runs a WGMMA as `acc + np.matmul(a, b, dtype=...)` on the host, and the
+    host's BLAS need not give a row the same bits wherever the row sits in its tile: OpenBLAS
+    on an AVX2 AMD EPYC (CI, 2026-12-02) did not (12533 of 64 x 128 elements differed between
+    shifted copies of the same rows), so the interpret twins of the grouped GEMM's invariant 1
+    (a row's bits do not depend on where its group starts, which the GPU's WGMMA gives) failed
+    on the host's arithmetic, not the kernel's. Here every element is computed alike, by
+    elementwise products and sums that round the same on any CPU."""
+    dtype = np.result_type(a, b) if dtype is None else np.dtype(dtype)
+    a, b = np.asarray(a, dtype), np.asarray(b, dtype)
+    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"expects [M, K] @ [K, N], got {a.shape} @ {b.shape}")
+    out = np.zeros((a.shape[0], b.shape[1]), dtype)
+    for k in range(a.shape[1]):
+        out += a[:, k, None] * b[k]
+    return out
+
+
+def _interpret_wgmma_in_k_order() -> None:
+    """GPU interpret mode's host matmul (its WGMMA) becomes `_matmul_in_k_order`: the module
+    that runs it sees a copy of numpy whose matmul is that one."""
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+    if getattr(gpu_callbacks, "np", None) is not np:
+        raise RuntimeError(
+            "jax's GPU interpret mode no longer runs its WGMMA through gpu_callbacks.np.matmul: "
+            "the tests' host matmul (tests/conftest.py) must follow it"
+        )
+    k_ordered = types.ModuleType("numpy_with_matmul_in_k_order")
+    k_ordered.__dict__.update(np.__dict__)
+    k_ordered.matmul = _matmul_in_k_order
+    gpu_callbacks.np = k_ordered
+
+
+_interpret_wgmma_in_k_order()
 
 settings.register_profile("ci", max_examples=40, deadline=None, derandomize=True)
 settings.register_profile("thorough", max_examples=500, deadline=None)
