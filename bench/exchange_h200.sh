@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The exchange's device calls on one H200 (issue 7), from the repository root, in two calls:
+# The exchange's device calls on one H200 (issue 7), from the repository root, in three calls:
 #   STEPS="1 2 3" bash bench/exchange_h200.sh      # timeout_s 600: the checks
-#   STEPS=4 bash bench/exchange_h200.sh            # timeout_s 600: the timings
+#   STEPS=4 bash bench/exchange_h200.sh            # timeout_s 600: the layer's times (~360 s)
+#   STEPS=5 bash bench/exchange_h200.sh            # timeout_s 600: where the time goes
 # Each step runs under its own timeout (a hung kernel costs its step, not the call), its log in
 # $OUT:
 #   1. the layer's GPU test on a 1-device mesh (tests/mok_jax/test_fused_mesh.py);
@@ -9,7 +10,9 @@
 #      forward and of the backward);
 #   3. the one-kernel forward's GPU twins (dispatch_mlp_return);
 #   4. the layer probe, per exchange fusion (bench/exchange_probe.py --only layer; FUSIONS,
-#      default "per_gemm,forward").
+#      default "per_gemm,forward");
+#   5. the kernels' profile of fused without a mesh and on a 1-device mesh, forward and
+#      forward+backward (bench/layer_profile.py, qwen3 at 16384 tokens).
 # A failed step does not stop the next. Each pytest test gets at most TEST_TIMEOUT (200) s: the
 # layer test took 168-177 s in session 16.
 set -uo pipefail
@@ -44,6 +47,10 @@ for step in $steps; do
          --timeout "$((${PROBE_TIMEOUT:-560} - 10))" --only layer --tiles 64 --programs 24 \
          --fusions "${FUSIONS:-per_gemm,forward}" >"$out/layer.log" 2>&1
        echo "layer probe: exit $? ($(tail -n 1 "$out/layer.log"))" ;;
-    *) echo "unknown step $step (1, 2, 3 or 4)" >&2 ;;
+    5) timeout "${PROFILE_TIMEOUT:-560}" python3 -m bench.layer_profile --out "$out/profile" \
+         --no-command-buffers --shapes qwen3 --implementations fused,fused_mesh1 \
+         --products forward,fwd_bwd --iters 3 >"$out/profile.log" 2>&1
+       echo "layer profile: exit $? ($(tail -n 1 "$out/profile.log"))" ;;
+    *) echo "unknown step $step (1 to 5)" >&2 ;;
   esac
 done
