@@ -6,8 +6,8 @@
 # Each step runs under its own timeout (a hung kernel costs its step, not the call), its log in
 # $OUT:
 #   1. the layer's GPU test on a 1-device mesh (tests/mok_jax/test_fused_mesh.py);
-#   2. the per-GEMM exchange kernels' GPU twins (the dispatch, the overlapped kernels of the
-#      forward and of the backward);
+#   2. the dispatch kernels' GPU twins (send_rows, dispatch_swiglu, dispatch_down_grad: the
+#      kernels the zeroed tail changed; the return kernels run in step 1's layer test);
 #   3. the one-kernel forward's GPU twins (dispatch_mlp_return);
 #   4. the layer probe, per exchange fusion (bench/exchange_probe.py --only layer; FUSIONS,
 #      default "per_gemm,forward");
@@ -30,7 +30,7 @@ test_timeout="${TEST_TIMEOUT:-200}"
 gpu_tests() {  # name, timeout (s), pytest arguments...
   local name="$1" limit="$2"
   shift 2
-  timeout "$limit" python3 -m pytest -m gpu -v -p no:cacheprovider \
+  timeout -k 15 "$limit" python3 -m pytest -m gpu -v -p no:cacheprovider \
     -o timeout="$((test_timeout < limit - 10 ? test_timeout : limit - 10))" "$@" \
     >"$out/$name.log" 2>&1
   echo "$name: exit $? ($(tail -n 1 "$out/$name.log"))"
@@ -38,18 +38,20 @@ gpu_tests() {  # name, timeout (s), pytest arguments...
 
 for step in $steps; do
   case "$step" in
-    1) gpu_tests fused_mesh_tests "${MESH_TIMEOUT:-230}" tests/mok_jax/test_fused_mesh.py ;;
-    2) gpu_tests exchange_tests "${TWIN_TIMEOUT:-220}" tests/pallas_kernels/exchange \
+    1) gpu_tests fused_mesh_tests "${MESH_TIMEOUT:-225}" tests/mok_jax/test_fused_mesh.py ;;
+    2) gpu_tests exchange_tests "${TWIN_TIMEOUT:-210}" tests/pallas_kernels/exchange \
          -k "place_every_row or dispatch_swiglu or down_grad" ;;
-    3) gpu_tests forward_kernel_tests "${FORWARD_TIMEOUT:-130}" tests/pallas_kernels/exchange \
+    3) gpu_tests forward_kernel_tests "${FORWARD_TIMEOUT:-120}" tests/pallas_kernels/exchange \
          -k "dispatch_mlp_return" ;;
-    4) timeout "${PROBE_TIMEOUT:-560}" python3 -m bench.exchange_probe --out "$out/layer.json" \
-         --timeout "$((${PROBE_TIMEOUT:-560} - 10))" --only layer --tiles 64 --programs 24 \
+    4) timeout -k 15 "${PROBE_TIMEOUT:-540}" python3 -m bench.exchange_probe \
+         --out "$out/layer.json" --timeout "$((${PROBE_TIMEOUT:-540} - 10))" --only layer \
+         --tiles 64 --programs 24 \
          --fusions "${FUSIONS:-per_gemm,forward}" >"$out/layer.log" 2>&1
        echo "layer probe: exit $? ($(tail -n 1 "$out/layer.log"))" ;;
-    5) timeout "${PROFILE_TIMEOUT:-560}" python3 -m bench.layer_profile --out "$out/profile" \
-         --no-command-buffers --shapes qwen3 --implementations fused,fused_mesh1 \
-         --products forward,fwd_bwd --iters 3 >"$out/profile.log" 2>&1
+    5) timeout -k 15 "${PROFILE_TIMEOUT:-540}" python3 -m bench.layer_profile \
+         --out "$out/profile" --no-command-buffers --shapes qwen3 \
+         --implementations fused,fused_mesh1 --products forward,fwd_bwd --iters 3 \
+         >"$out/profile.log" 2>&1
        echo "layer profile: exit $? ($(tail -n 1 "$out/profile.log"))" ;;
     *) echo "unknown step $step (1 to 5)" >&2 ;;
   esac
