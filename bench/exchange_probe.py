@@ -335,6 +335,7 @@ def _layer(tiles: tuple[int, ...], programs: tuple[int, ...], fusions: tuple[str
         if c or f == "per_gemm"  # with 0 copy programs every copy is a kernel of its own
     ]  # fmt: skip
     for name, m, cfg in runs:
+        start = time.perf_counter()  # compiling both, checking, timing: the seconds a run takes
         fwd = jax.jit(lambda x, p, m=m, cfg=cfg: moe(x, p, cfg, mesh=m))
         fwd = fwd.lower(x, params).compile()
         record[f"{name}_fwd_kernels"] = fwd.as_text().count('custom_call_target="mosaic_gpu')
@@ -356,11 +357,14 @@ def _layer(tiles: tuple[int, ...], programs: tuple[int, ...], fusions: tuple[str
         # dropped): counted in the optimized HLO of forward+backward.
         hlo = grad.as_text()
         record[f"{name}_fwd_bwd_kernels"] = hlo.count('custom_call_target="mosaic_gpu')
-        print(json.dumps({"partial": True, **record}), flush=True)
         if outs:  # y and dx the bits of the run without a mesh
-            record["ok"] &= bool(jnp.all(y == outs["y"])) and bool(jnp.all(dx == outs["dx"]))
+            same = bool(jnp.all(y == outs["y"])) and bool(jnp.all(dx == outs["dx"]))
+            record[f"{name}_bitwise"] = same
+            record["ok"] &= same
         else:
             outs = {"y": y, "dx": dx}
+        record[f"{name}_seconds"] = round(time.perf_counter() - start, 1)
+        print(json.dumps({"partial": True, **record}), flush=True)
     return record
 
 
