@@ -29,11 +29,15 @@ the buffer), and `dgrad_return` the routing weights' gradient with d_x: each cop
 layer's forward and backward runs inside a GEMM's kernel. Session 16 added the reader's proxy
 fence (invariant 6): the layer and the twins passed on one H200 with fences at both ends of
 every crossing (bench/results/2026-12-01_exchange_h200_s16/, call 3); the final form, the
-reader's fence alone and once after its waits, has not yet run on a GPU.
+reader's fence alone and once after its waits, passed the layer test and the dispatch kernels'
+twins on one H200 in session 19 (bench/results/2026-12-02_exchange_h200_s19/).
 `dispatch_mlp_return` (session 17) runs the whole forward of a round in one kernel: the
 dispatch, the gate/up tiles, the down tiles (each once its row tile of h is stored) and the
-return; it lowers for CUDA inside shard_map on 8 devices (CI) and has not yet run on a GPU
-(the layer runs it with MoEConfig.exchange_fusion="forward", not the default).
+return; it lowers for CUDA inside shard_map on 8 devices (CI). On one H200 (session 19) its
+4 twins were bitwise equal to the per-GEMM kernels, and the layer with it (MoEConfig.
+exchange_fusion="forward", not the default) gave y and dx the bits of no mesh, 2.81 / 6.99 ms
+forward / forward+backward against per_gemm's 2.85 / 7.21 (qwen3_30b_a3b, 4096 tokens, a
+1-device mesh; bench/results/2026-12-02_exchange_h200_s19/).
 
 Invariants (send_rows; the overlapped dispatch's O1-O3, down_return's R1-R3 and the forward
 kernel's F1-F3 are in their bodies):
@@ -1339,8 +1343,8 @@ def dispatch_mlp_return(
     with the weights of the dispatched side in its epilogue. out is the rows every device's
     `back` copies here (rows of other rounds unspecified), zeros in `back`'s zero ranges;
     buffer and side rows no copy or zero range fills are unspecified. Call inside
-    `jax.shard_map` over `axis_name`. Written in session 17 and lowered for CUDA on the
-    CPU; not yet run on a GPU."""
+    `jax.shard_map` over `axis_name`. Written in session 17; bitwise equal to the per-GEMM
+    kernels on one H200 in session 19 (its GPU twin)."""
     moves.check()
     back.check()
     _check_copy_stages(copy_stages)
