@@ -187,8 +187,8 @@ class MoEConfig:
         form, on two; "forward" (MoK's design: one kernel a round for the forward, each down
         tile starting once its rows of h are stored, each piece of results leaving once its
         rows of y are) was written in session 17; on one H200 (session 19, a 1-device mesh,
-        qwen3_30b_a3b at 4096 tokens) it gave the same bits in 2.81 / 6.99 ms forward /
-        forward+backward against per_gemm's 2.85 / 7.21
+        qwen3_30b_a3b at 4096 tokens, one round, one call) it gave the same bits in 2.81 /
+        6.99 ms forward / forward+backward against per_gemm's 2.85 / 7.21
         (bench/results/2026-12-02_exchange_h200_s19/); not yet run across GPUs. Its down
         tiles must split between consumers as the gate/up ones do (on the H200's tiles,
         d_model a multiple of 128), else the layer raises ValueError.

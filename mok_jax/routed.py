@@ -293,21 +293,38 @@ def _rounds_bwd(spec, residuals, g_nd):
     round_fn, _, round_n = _plan_rounds(t, _num_rows(rows), spec)
 
     def round_vjp(r):
+        # (d_rows, dweights in the weights' dtype). d_rows of other rounds' rows: zeros, or
+        # unspecified where the exchange's kernels left them; each row keeps its own round's
+        # below.
         _, vjp = jax.vjp(lambda x, w: round_fn(r, x, w, t, spec), rows, weights)
-        d_rows, dweights = vjp(g_nd)
-        # Rows of other rounds: zeros, or unspecified where the exchange's kernels left them.
-        d_rows = _pick(round_n == r, d_rows, jax.tree.map(jnp.zeros_like, d_rows))
-        return d_rows, tuple(dw.astype(jnp.float32) for dw in dweights)
+        return vjp(g_nd)
 
     def body(r, carry):
         d_rows, dweights = carry
         d_rows_r, dweights_r = round_vjp(r)
         d_rows = _pick(round_n == r, d_rows_r, d_rows)
+        dweights_r = tuple(dw.astype(jnp.float32) for dw in dweights_r)
         return d_rows, tuple(a + b for a, b in zip(dweights, dweights_r, strict=True))
 
-    carry = lax.fori_loop(1, rounds, body, round_vjp(jnp.zeros((), jnp.int32)))
-    d_rows, dweights = carry
-    dweights = tuple(dw.astype(w.dtype) for dw, w in zip(dweights, weights, strict=True))
+    def later_rounds(carry):
+        # The weights' gradients add up round by round in f32, then round once.
+        d_rows, dweights = carry
+        dweights = tuple(dw.astype(jnp.float32) for dw in dweights)
+        d_rows, dweights = lax.fori_loop(1, rounds, body, (d_rows, dweights))
+        return d_rows, tuple(dw.astype(w.dtype) for dw, w in zip(dweights, weights, strict=True))
+
+    # One round (the common case, with a buffer above the load) takes round 0's gradients as
+    # they are: the weights' round trip through f32 changes no bits there, and with bf16
+    # weights it cost six weight-sized converts, 1.72 ms of a 16.9 ms forward+backward at
+    # qwen3 on one H200 (bench/results/2026-12-02_exchange_h200_s19/). Every device agrees on
+    # `rounds`, so all take the same branch.
+    d_rows, dweights = lax.cond(
+        rounds > 1, later_rounds, lambda carry: carry, round_vjp(jnp.zeros((), jnp.int32))
+    )
+    # Rows of round 0 hold round 0's, later rounds put theirs in place; rows of no round get
+    # zeros. One select after the rounds, not one a round.
+    in_a_round = (round_n >= 0) & (round_n < rounds)
+    d_rows = _pick(in_a_round, d_rows, jax.tree.map(jnp.zeros_like, d_rows))
     return d_rows, dweights, None, None
 
 

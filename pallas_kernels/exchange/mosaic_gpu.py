@@ -34,7 +34,7 @@ twins on one H200 in session 19 (bench/results/2026-12-02_exchange_h200_s19/).
 `dispatch_mlp_return` (session 17) runs the whole forward of a round in one kernel: the
 dispatch, the gate/up tiles, the down tiles (each once its row tile of h is stored) and the
 return; it lowers for CUDA inside shard_map on 8 devices (CI). On one H200 (session 19) its
-4 twins were bitwise equal to the per-GEMM kernels, and the layer with it (MoEConfig.
+4 twins were bitwise equal to the separate kernels, and the layer with it at one round (MoEConfig.
 exchange_fusion="forward", not the default) gave y and dx the bits of no mesh, 2.81 / 6.99 ms
 forward / forward+backward against per_gemm's 2.85 / 7.21 (qwen3_30b_a3b, 4096 tokens, a
 1-device mesh; bench/results/2026-12-02_exchange_h200_s19/).
@@ -1343,7 +1343,7 @@ def dispatch_mlp_return(
     with the weights of the dispatched side in its epilogue. out is the rows every device's
     `back` copies here (rows of other rounds unspecified), zeros in `back`'s zero ranges;
     buffer and side rows no copy or zero range fills are unspecified. Call inside
-    `jax.shard_map` over `axis_name`. Written in session 17; bitwise equal to the per-GEMM
+    `jax.shard_map` over `axis_name`. Written in session 17; bitwise equal to the separate
     kernels on one H200 in session 19 (its GPU twin)."""
     moves.check()
     back.check()

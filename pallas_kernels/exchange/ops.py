@@ -371,8 +371,8 @@ def dispatch_mlp(
     either recompute).
 
     one_kernel_forward (with copy_programs > 0, on a GPU): the forward's dispatch, GEMMs and
-    return in one kernel (`mosaic_gpu.dispatch_mlp_return`, the same bits; not yet run on a
-    GPU)."""
+    return in one kernel (`mosaic_gpu.dispatch_mlp_return`, the same bits: its GPU twins
+    on one H200, session 19)."""
     grad_copy_programs = copy_programs if grad_copy_programs is None else grad_copy_programs
     if copy_programs < 0 or grad_copy_programs < 0:
         raise ValueError(f"copy_programs={copy_programs} and grad_copy_programs="
