@@ -14,7 +14,8 @@
 #      kernels the zeroed tail changed; the return kernels run in step 1's layer test);
 #   3. the one-kernel forward's GPU twins (dispatch_mlp_return);
 #   4. the layer probe, per exchange fusion (bench/exchange_probe.py --only layer; FUSIONS,
-#      default "per_gemm,forward");
+#      default "per_gemm,forward"; PARAM_DTYPE, default float32: bfloat16 is where the mesh's
+#      backward used to round-trip the weight gradients through f32, mended in session 19);
 #   5. the kernels' profile of fused without a mesh and on a 1-device mesh, forward and
 #      forward+backward (bench/layer_profile.py, qwen3 at 16384 tokens).
 # A failed step does not stop the next. Each pytest test gets at most TEST_TIMEOUT (310) s. The
@@ -52,7 +53,8 @@ for step in $steps; do
     4) timeout -k 15 "${PROBE_TIMEOUT:-540}" python3 -m bench.exchange_probe \
          --out "$out/layer.json" --timeout "$((${PROBE_TIMEOUT:-540} - 10))" --only layer \
          --tiles 64 --programs 24 \
-         --fusions "${FUSIONS:-per_gemm,forward}" >"$out/layer.log" 2>&1
+         --fusions "${FUSIONS:-per_gemm,forward}" --param-dtype "${PARAM_DTYPE:-float32}" \
+         >"$out/layer.log" 2>&1
        echo "layer probe: exit $? ($(tail -n 1 "$out/layer.log"))" ;;
     5) timeout -k 15 "${PROFILE_TIMEOUT:-540}" python3 -m bench.layer_profile \
          --out "$out/profile" --no-command-buffers --shapes qwen3 \

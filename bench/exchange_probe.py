@@ -22,7 +22,9 @@ Probes (one device, one mesh axis of size 1 where shard_map is used):
                    (exchange_programs) and --fusions (exchange_fusion; "forward": the
                    forward in one kernel) against `fused` without a mesh: y and dx bitwise,
                    forward and forward+backward (y and the gradients) timed, and
-                   forward+backward's Mosaic GPU kernels counted in XLA's optimized HLO
+                   forward+backward's Mosaic GPU kernels counted in XLA's optimized HLO;
+                   parameters in --param-dtype (float32, the default, as in sessions 15-19;
+                   bfloat16 as bench/layer_profile.py and bench/moe_layer_h200.py have them)
 """
 
 from __future__ import annotations
@@ -307,7 +309,9 @@ def _overlap(programs: tuple[int, ...], window_factor: float, stages: tuple[int,
     return record
 
 
-def _layer(tiles: tuple[int, ...], programs: tuple[int, ...], fusions: tuple[str, ...]) -> dict:
+def _layer(
+    tiles: tuple[int, ...], programs: tuple[int, ...], fusions: tuple[str, ...], param_dtype: str
+) -> dict:
     import dataclasses
 
     import jax
@@ -318,6 +322,7 @@ def _layer(tiles: tuple[int, ...], programs: tuple[int, ...], fusions: tuple[str
 
     base = dataclasses.replace(presets["qwen3_30b_a3b"], implementation="fused")
     x, params, cotangent = random_inputs(base, 4096, 0)
+    params = jax.tree.map(lambda a: a.astype(param_dtype), params)
     mesh = make_mesh("expert", devices=jax.devices()[:1])
 
     def timed(fn, *args):
@@ -375,11 +380,12 @@ def _run_one(
     window_factor: float,
     stages: tuple[int, ...],
     fusions: tuple[str, ...],
+    param_dtype: str,
 ) -> None:
     record = {"probe": name}
     start = time.perf_counter()
     if name == "layer":
-        record.update(_layer(tiles, programs, fusions))
+        record.update(_layer(tiles, programs, fusions, param_dtype), param_dtype=param_dtype)
     elif name == "overlap":
         record.update(_overlap(tuple(c for c in programs if c), window_factor, stages))
     else:
@@ -409,6 +415,10 @@ def main() -> None:
         "--fusions", default="per_gemm",
         help="layer: exchange_fusion values, comma-separated (per_gemm, forward)",
     )  # fmt: skip
+    parser.add_argument(
+        "--param-dtype", default="float32", choices=("float32", "bfloat16"),
+        help="layer: the parameters' dtype (the kernels take bf16 either way)",
+    )  # fmt: skip
     parser.add_argument("--child", choices=PROBES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.window_factor < 1:
@@ -417,14 +427,16 @@ def main() -> None:
     if args.child:
         ints = lambda text: tuple(int(v) for v in text.split(","))  # noqa: E731
         _run_one(args.child, ints(args.tiles), ints(args.programs), args.window_factor,
-                 ints(args.copy_stages), tuple(args.fusions.split(",")))  # fmt: skip
+                 ints(args.copy_stages), tuple(args.fusions.split(",")),
+                 args.param_dtype)  # fmt: skip
         return
     records = []
     for name in [args.only] if args.only else PROBES:
         cmd = [sys.executable, "-m", "bench.exchange_probe", "--out", "-", "--child", name,
                "--tiles", args.tiles, "--programs", args.programs,
                "--window-factor", str(args.window_factor),
-               "--copy-stages", args.copy_stages, "--fusions", args.fusions]  # fmt: skip
+               "--copy-stages", args.copy_stages, "--fusions", args.fusions,
+               "--param-dtype", args.param_dtype]  # fmt: skip
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
             lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
