@@ -217,12 +217,9 @@ def _weight_converts(jaxpr, shapes, *, in_cond: bool = False) -> tuple[int, int]
         if eqn.primitive.name == "convert_element_type" and eqn.invars[0].aval.shape in shapes:
             counts[in_cond] += 1
         inner = in_cond or eqn.primitive.name == "cond"
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's jaxpr
-                if hasattr(sub, "eqns"):
-                    found = _weight_converts(sub, shapes, in_cond=inner)
-                    counts = [a + b for a, b in zip(counts, found, strict=True)]
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            found = _weight_converts(sub, shapes, in_cond=inner)
+            counts = [a + b for a, b in zip(counts, found, strict=True)]
     return counts[0], counts[1]
 
 
