@@ -332,16 +332,19 @@ def test_lowered_for_cuda_on_8_devices(layout):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(num_gpus() < 1, reason="needs a GPU")
-def test_gpu_one_device_mesh_equals_no_mesh():
+@pytest.mark.parametrize("fusion", ["per_gemm", "forward"])
+def test_gpu_one_device_mesh_equals_no_mesh(fusion):
     """On one GPU: a 1-device mesh (the exchange's kernels copy to the device itself, in
-    several rounds) against `fused` without a mesh, at a real width; and the mesh's default
-    there, `fused` as without a mesh (no exchange, one round)."""
+    several rounds, with each exchange fusion) against `fused` without a mesh, at a real
+    width; and, once, the mesh's default there, `fused` as without a mesh (no exchange, one
+    round)."""
     cfg = dataclasses.replace(presets["qwen3_30b_a3b"], implementation="fused", buffer_factor=0.3)
     x, params, cotangent = random_inputs(cfg, 2048, 0)
     base = value_and_grads(x, params, cotangent, cfg, None)
     mesh = make_mesh("expert", devices=jax.devices()[:1])
-    with_exchange = dataclasses.replace(cfg, exchange_on_one_device=True)
-    for run_cfg, several in ((with_exchange, True), (cfg, False)):
+    with_exchange = dataclasses.replace(cfg, exchange_on_one_device=True, exchange_fusion=fusion)
+    runs = [(with_exchange, True)] + [(cfg, False)] * (fusion == "per_gemm")
+    for run_cfg, several in runs:
         result = value_and_grads(x, params, cotangent, run_cfg, mesh)
         rounds = int(result[0][1][1].rounds)
         assert rounds >= 2 if several else rounds == 1
