@@ -17,7 +17,9 @@
 #      default "per_gemm,forward"; PARAM_DTYPE, default float32: bfloat16 is where the mesh's
 #      backward used to round-trip the weight gradients through f32, mended in session 19);
 #   5. the kernels' profile of fused without a mesh and on a 1-device mesh, forward and
-#      forward+backward (bench/layer_profile.py, qwen3 at 16384 tokens).
+#      forward+backward (bench/layer_profile.py, qwen3 at 16384 tokens; PROFILE_IMPLEMENTATIONS
+#      and PROFILE_PRODUCTS, default "fused,fused_mesh1" and "forward,fwd_bwd", narrow it:
+#      fused_mesh1's fwd_bwd alone took about 120 s in session 20).
 # A failed step does not stop the next. Each pytest test gets at most TEST_TIMEOUT (310) s. The
 # limits are above session 19's times: the layer test took 213 s (177 s in session 16), the
 # four one-kernel forward twins 145 s, and the 4-stage dispatch_down_grad twin alone 35 s;
@@ -58,7 +60,8 @@ for step in $steps; do
        echo "layer probe: exit $? ($(tail -n 1 "$out/layer.log"))" ;;
     5) timeout -k 15 "${PROFILE_TIMEOUT:-540}" python3 -m bench.layer_profile \
          --out "$out/profile" --no-command-buffers --shapes qwen3 \
-         --implementations fused,fused_mesh1 --products forward,fwd_bwd --iters 3 \
+         --implementations "${PROFILE_IMPLEMENTATIONS:-fused,fused_mesh1}" \
+         --products "${PROFILE_PRODUCTS:-forward,fwd_bwd}" --iters 3 \
          >"$out/profile.log" 2>&1
        echo "layer profile: exit $? ($(tail -n 1 "$out/profile.log"))" ;;
     *) echo "unknown step $step (1 to 5)" >&2 ;;
