@@ -42,10 +42,9 @@ Exchange = Literal["ragged_all_to_all", "ring"]
 FusedRows = Literal["copied", "gathered"]
 # Which kernels carry the `fused` implementation's exchange under a mesh: "per_gemm" (each
 # copy inside the kernel of the GEMM next to it: the forward's dispatch with gate/up, its
-# return with the down projection, the backward's likewise), "forward" (the round's whole
-# forward, dispatch, gate/up, down and return, in one kernel; the backward as "per_gemm"),
-# or "auto" ("forward" where its tiles fit the widths, else "per_gemm").
-ExchangeFusion = Literal["auto", "per_gemm", "forward"]
+# return with the down projection, the backward's likewise) or "forward" (the round's whole
+# forward, dispatch, gate/up, down and return, in one kernel; the backward as "per_gemm").
+ExchangeFusion = Literal["per_gemm", "forward"]
 # What the `fused` implementation's forward keeps for its backward: "inputs" (the tokens and
 # weights: the backward recomputes the gate and up projections, 2 of its 8 GEMM passes) or
 # "gate_up" (also h, gate and up, [T*K, F] each in the compute dtype: 6 passes).
@@ -184,16 +183,18 @@ class MoEConfig:
         cost more, not yet timed.
       exchange_fusion: with implementation 'fused' under a mesh and exchange_programs > 0,
         which kernels carry the exchange's copies (see `ExchangeFusion`); y and dx do not
-        depend on it. "forward" (MoK's design: one kernel a round for the forward, each down
+        depend on it. "per_gemm" (the default) has run on one H200 and, in its session-12
+        form, on two. "forward" (MoK's design: one kernel a round for the forward, each down
         tile starting once its rows of h are stored, each piece of results leaving once its
-        rows of y are) needs its down tiles to split between consumers as the gate/up ones do
-        (on the H200's tiles, d_model a multiple of 128), else the layer raises ValueError;
-        "auto" (the default) takes it where it fits and "per_gemm" elsewhere. On one H200, a
-        1-device mesh, qwen3_30b_a3b at 4096 tokens, one round: "forward" 2.81 / 6.99 ms
-        forward / forward+backward against per_gemm's 2.85 / 7.21 (session 19, f32
-        parameters, bench/results/2026-12-02_exchange_h200_s19/), the same bits as no mesh;
-        at several rounds the layer's GPU test passes with both (session 20). "per_gemm" has
-        also run across two H200s in its session-12 form; "forward" not yet.
+        rows of y are) gives the same bits on one H200, at one round and at several (the
+        layer's GPU test, session 20), but is not reliably faster there: on a 1-device mesh at
+        qwen3_30b_a3b, 4096 tokens, one round, forward / forward+backward took 2.81 / 6.99
+        ms against per_gemm's 2.85 / 7.21 with f32 parameters (session 19) and 2.13 / 6.04
+        against 1.97 / 5.75 with bf16 ones (session 20; bench/results/
+        2026-12-02_exchange_h200_s19/ and _s20/, one call each). What it is for, the return
+        starting while the first GEMM still runs across GPUs, has not been measured. Its down
+        tiles must split between consumers as the gate/up ones do (on the H200's tiles,
+        d_model a multiple of 128), else the layer raises ValueError.
       exchange_on_one_device: with implementation 'fused' under a mesh whose `expert` axis
         has one device (data parallel only), whether the rows still go through the in-kernel
         exchange (copies to the device itself). False (the default): they are already on the
@@ -251,7 +252,7 @@ class MoEConfig:
     row_tile: int = 64
     exchange_tile: int = 64
     exchange_programs: int = 24
-    exchange_fusion: ExchangeFusion = "auto"
+    exchange_fusion: ExchangeFusion = "per_gemm"
     exchange_on_one_device: bool = False
     fused_rows: FusedRows = "copied"
     fused_residuals: FusedResiduals = "inputs"

@@ -21,9 +21,8 @@ autodiff cannot go through. `routed_experts` is therefore a `custom_vjp`: the ba
 same rounds, recomputing each round's forward under `jax.vjp` (memory stays one round's worth)
 and adding the rounds' weight gradients in round order, in f32. With kernel "fused" the
 backward reads nothing of that forward (`pallas_kernels.exchange.ops` saves the rows and
-dispatches them again inside the backward's first GEMM's kernel), so it calls the rounds'
-backward itself (`exchange_ops.dispatch_mlp_grads`, the same bits as the VJP), from the
-cotangent in the forms its kernels send, made once before the rounds.
+dispatches them again inside the backward's first GEMM's kernel): it is dead code, which XLA
+drops (session 15 counted the compiled kernels).
 """
 
 from __future__ import annotations
@@ -79,7 +78,7 @@ class RoutedSpec:
     recompute: FusedRecompute = "gmm"
     exchange_tile: int = 64
     exchange_programs: int = 24
-    exchange_fusion: ExchangeFusion = "auto"
+    exchange_fusion: ExchangeFusion = "per_gemm"
 
 
 def _me(spec: RoutedSpec) -> Array:
@@ -159,7 +158,11 @@ def _fused_round(r, rows, weights, plan, spec: RoutedSpec) -> Array:
     from pallas_kernels.exchange import ops as exchange_ops
 
     x_nd, scale_n = rows
-    tables, options = _fused_tables(r, plan, spec)
+    t, moves, _ = plan
+    me, window, tile = _me(spec), spec.buffer_rows, spec.exchange_tile
+    slots = exchange_protocol.num_tiles(window, tile, spec.num_local) * tile
+    dispatch, back = exchange_protocol.exchange_round(t, me, r, window, tile, moves)
+    group_sizes_g, _ = exchange_protocol.buffer_layout(t, me, r, window, tile)
     # Every slot inside the groups that no row fills (an expert's last tile past its rows)
     # comes out of the dispatch as zeros, and so does the results' cotangent there (the
     # dispatch's zero ranges): zero rows add nothing to the weights' gradients, which sum over
@@ -169,7 +172,6 @@ def _fused_round(r, rows, weights, plan, spec: RoutedSpec) -> Array:
     # mask them out with a select (NaN there stays out). Rows of other rounds are
     # unspecified: `_rounds` keeps each row's own round.
     with jax.named_scope("exchange_experts"):
-        dispatch, back, group_sizes_g = tables
         return exchange_ops.dispatch_mlp(
             x_nd,
             scale_n,
@@ -178,69 +180,14 @@ def _fused_round(r, rows, weights, plan, spec: RoutedSpec) -> Array:
             r,
             *(w.astype(spec.dtype) for w in weights),
             group_sizes_g,
-            one_kernel_forward=_one_kernel_forward(x_nd.shape[1], weights[0].shape[2], spec),
-            **options,
+            out_rows=slots,
+            tile=tile,
+            axis_name=spec.axis,
+            recompute=spec.recompute,
+            copy_programs=spec.exchange_programs,
+            one_kernel_forward=spec.exchange_fusion == "forward",
+            interpret=jax.default_backend() == "cpu",
         )
-
-
-def _one_kernel_forward(d_model: int, d_ff: int, spec: RoutedSpec) -> bool:
-    """Whether a round's forward runs as one kernel (`MoEConfig.exchange_fusion`)."""
-    from pallas_kernels.exchange import mosaic_gpu as exchange_kernels
-
-    if spec.exchange_fusion == "auto":
-        return exchange_kernels.forward_in_one_kernel_fits(d_model, d_ff, spec.dtype)
-    return spec.exchange_fusion == "forward"
-
-
-def _fused_tables(r, plan, spec: RoutedSpec):
-    """((dispatch, back, group sizes [G]) of round r, `exchange_ops.dispatch_mlp`'s options)."""
-    t, moves, _ = plan
-    me, window, tile = _me(spec), spec.buffer_rows, spec.exchange_tile
-    slots = exchange_protocol.num_tiles(window, tile, spec.num_local) * tile
-    dispatch, back = exchange_protocol.exchange_round(t, me, r, window, tile, moves)
-    group_sizes_g, _ = exchange_protocol.buffer_layout(t, me, r, window, tile)
-    options = dict(
-        out_rows=slots,
-        tile=tile,
-        axis_name=spec.axis,
-        recompute=spec.recompute,
-        copy_programs=spec.exchange_programs,
-        interpret=jax.default_backend() == "cpu",
-    )
-    return (dispatch, back, group_sizes_g), options
-
-
-def _fused_cotangent(g_nd, rows, plan, spec: RoutedSpec):
-    """The results' cotangent in the forms every round's backward sends
-    (`exchange_ops.dispatch_mlp_cotangent`), made once for all the rounds."""
-    from pallas_kernels.exchange import ops as exchange_ops
-
-    _, options = _fused_tables(jnp.zeros((), jnp.int32), plan, spec)
-    x_nd, scale_n = rows
-    return exchange_ops.dispatch_mlp_cotangent(g_nd, scale_n, x_nd.dtype, **options)
-
-
-def _fused_round_grads(r, rows, weights, plan, cotangent, spec: RoutedSpec):
-    """`_fused_round`'s VJP for the cotangent `_fused_cotangent` made: (d_rows, d_weights)."""
-    from pallas_kernels.exchange import ops as exchange_ops
-
-    x_nd, scale_n = rows
-    (dispatch, back, group_sizes_g), options = _fused_tables(r, plan, spec)
-    with jax.named_scope("exchange_experts"):
-        d_x, d_scale, *d_weights = exchange_ops.dispatch_mlp_grads(
-            cotangent,
-            x_nd,
-            scale_n,
-            dispatch,
-            back,
-            r,
-            *(w.astype(spec.dtype) for w in weights),
-            group_sizes_g,
-            **options,
-        )
-    # The transpose of the weights' cast to the compute dtype.
-    d_weights = tuple(dw.astype(w.dtype) for dw, w in zip(d_weights, weights, strict=True))
-    return (d_x, d_scale), d_weights
 
 
 def _dest_of_rows(t: exchange.Traffic, me: Array, num_rows: int) -> Array:
@@ -349,18 +296,8 @@ def _rounds_bwd(spec, residuals, g_nd):
         # (d_rows, dweights in the weights' dtype). d_rows of other rounds' rows: zeros, or
         # unspecified where the exchange's kernels left them; each row keeps its own round's
         # below.
-        if spec.kernel == "fused":
-            return _fused_round_grads(r, rows, weights, t, cotangent, spec)
         _, vjp = jax.vjp(lambda x, w: round_fn(r, x, w, t, spec), rows, weights)
         return vjp(g_nd)
-
-    # With kernel "fused" the rounds' backward starts from the cotangent in the forms its
-    # kernels send, made once here, outside the rounds: XLA fuses them with the combine's
-    # gather that makes g_nd, which then never lands in HBM as f32 (inside the rounds it did,
-    # and each round made them again). The fused rounds' backward reads nothing of their
-    # forward, so it is not run.
-    if spec.kernel == "fused":
-        cotangent = _fused_cotangent(g_nd, rows, t, spec)
 
     def body(r, carry):
         d_rows, dweights = carry

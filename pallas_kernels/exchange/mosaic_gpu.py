@@ -1313,22 +1313,6 @@ def _forward_kernel(
         )  # fmt: skip
 
 
-def _forward_configs(d_model: int, d_ff: int, dtype):
-    """The one-kernel forward's (gate/up tiles, down tiles)."""
-    return (
-        gmm_kernel.programs_config("swiglu", n=d_ff, dtype=dtype),
-        gmm_kernel.programs_config("scaled", n=d_model, dtype=dtype),
-    )
-
-
-def forward_in_one_kernel_fits(d_model: int, d_ff: int, dtype) -> bool:
-    """Whether `dispatch_mlp_return` takes these widths: its gate/up and down tiles must share
-    block_m and num_consumers (on the H200's tiles, d_model a multiple of 128)."""
-    swiglu_config, down_config = _forward_configs(d_model, d_ff, dtype)
-    shared = ("block_m", "num_consumers")
-    return all(getattr(swiglu_config, a) == getattr(down_config, a) for a in shared)
-
-
 def dispatch_mlp_return(
     src_ad: Array,
     side_ac: Array,
@@ -1384,13 +1368,15 @@ def dispatch_mlp_return(
     if num_tiles * tile != out_rows:
         raise ValueError(f"{num_tiles} counters of {tile} rows must cover out_rows={out_rows}")
     dtype = src_ad.dtype
-    swiglu_config, down_config = _forward_configs(d_model, d_ff, dtype)
-    if not forward_in_one_kernel_fits(d_model, d_ff, dtype):
+    swiglu_config = gmm_kernel.programs_config("swiglu", n=d_ff, dtype=dtype)
+    down_config = gmm_kernel.programs_config("scaled", n=d_model, dtype=dtype)
+    shared = ("block_m", "num_consumers")
+    if any(getattr(swiglu_config, a) != getattr(down_config, a) for a in shared):
         raise ValueError(
             f"the forward in one kernel needs its gate/up and down tiles to share block_m and "
             f"num_consumers, and at D={d_model}, F={d_ff} they do not ({swiglu_config} against "
             f"{down_config}; on the H200's tiles D must be a multiple of 128): use "
-            f"exchange_fusion='per_gemm' (or 'auto', which picks it there)"
+            f"exchange_fusion='per_gemm'"
         )
     itemsize = jnp.dtype(dtype).itemsize
     gmm_kernel._check_config(swiglu_config, k=d_model, n=d_ff, itemsize=itemsize,

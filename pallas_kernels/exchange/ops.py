@@ -210,29 +210,12 @@ def _dispatch_mlp_fwd(static, x_nd, scale_n, moves, back, round_index, w_gate, w
     return out, residuals
 
 
-def _sends_rounded(static: _MlpStatic) -> bool:
-    """Whether the backward's dispatch sends the cotangent rounded (the kernel's, recompute
-    "gmm") rather than as f32."""
-    return bool(static.grad_copy_programs) and static.recompute == "gmm"
-
-
-def _cotangent(static: _MlpStatic, d_out, scale_n, dtype) -> tuple[Array, ...]:
-    """The results' cotangent d_out f32 [N, D] in the forms the backward's dispatch sends:
-    (dy, dy_down), rounded to `dtype` and times its row's weight then rounded, where it sends
-    them rounded (`_sends_rounded`); else (d_out,). The same for every round."""
-    if not _sends_rounded(static):
-        return (d_out,)
-    dy_c = d_out.astype(dtype)
-    dy_down = (d_out.astype(jnp.float32) * scale_n.astype(jnp.float32)[:, None]).astype(dtype)
-    return dy_c, dy_down
-
-
-def _grads_at_buffers(static: _MlpStatic, cotangent, residuals):
+def _grads_at_buffers(static: _MlpStatic, d_out, residuals):
     """`swiglu_mlp_grads(..., input_grad=False)` on the buffers for the round's results'
-    cotangent (`_cotangent`'s forms of d_out [N, D]; [d_gate | d_up] first, for
-    `_dgrad_return`): the dispatch again, of the rows x and their weights (the GEMMs'
-    operands, recomputed) and of d_out (the return's gradient: each slot's cotangent from its
-    row; zeros in the slots no row fills, the dispatch's zero ranges).
+    cotangent d_out [N, D] ([d_gate | d_up] first, for `_dgrad_return`): the dispatch again,
+    of the rows x and their weights (the GEMMs' operands, recomputed) and of d_out (the
+    return's gradient: each slot's cotangent from its row; zeros in the slots no row fills,
+    the dispatch's zero ranges).
 
     With grad_copy_programs > 0 (recompute "gmm") the four travel inside the first backward
     GEMM's kernel (`mosaic_gpu.dispatch_down_grad`): d_out as the GEMMs read it, rounded, and
@@ -245,8 +228,11 @@ def _grads_at_buffers(static: _MlpStatic, cotangent, residuals):
         _send, out_rows=static.out_rows, axis_name=static.axis_name, implementation="auto"
     )
     scale_n4 = _column4(scale_n)
-    if _sends_rounded(static):
-        dy_c, dy_down = cotangent
+    if static.grad_copy_programs and static.recompute == "gmm":
+        dy_c = d_out.astype(x_nd.dtype)
+        dy_down = (d_out.astype(jnp.float32) * scale_n.astype(jnp.float32)[:, None]).astype(
+            x_nd.dtype
+        )
         if static.interpret:
             # The CPU: the kernel's spec, the copies by `send_rows` (its reference there) and the
             # GEMM in interpret mode, so the CPU tests hold this path's bits too.
@@ -273,7 +259,6 @@ def _grads_at_buffers(static: _MlpStatic, cotangent, residuals):
             buffer, w_gate, w_up, w_down, group_sizes, scale_s4[:, 0], g, dy_down_s,
             input_grad=False, interpret=static.interpret,
         )  # fmt: skip
-    (d_out,) = cotangent
     buffer, scale_s4, dy = (send(a, moves, round_index) for a in (x_nd, scale_n4, d_out))
     return grouped_ops.swiglu_mlp_grads(
         buffer,
@@ -322,18 +307,11 @@ def _dgrad_return(static: _MlpStatic, d_gate_up, d_scale_s, w_gate, w_up, group_
 
 
 def _dispatch_mlp_bwd(static, residuals, d_out):
-    cotangent = _cotangent(static, d_out, residuals[1], residuals[0].dtype)
-    return _grads(static, cotangent, residuals)
-
-
-def _grads(static: _MlpStatic, cotangent, residuals):
-    """The round's gradients (d_x, d_scale, None, None, None, d_w_gate, d_w_up, d_w_down,
-    None) for its results' cotangent in `_cotangent`'s forms."""
     x_nd, scale_n, w_gate, w_up, w_down, group_sizes, moves, back, round_index = residuals
     num_rows = x_nd.shape[0]
     d_gate_up, d_w_gate, d_w_up, d_w_down, _, d_scale_s = _grads_at_buffers(
         static,
-        cotangent,
+        d_out,
         (x_nd, scale_n, w_gate, w_up, w_down, group_sizes, moves, round_index),
     )
     # d_x by its GEMM and its return, d_scale with it: each row's gradients from the slot it
@@ -395,9 +373,15 @@ def dispatch_mlp(
     one_kernel_forward (with copy_programs > 0, on a GPU): the forward's dispatch, GEMMs and
     return in one kernel (`mosaic_gpu.dispatch_mlp_return`, the same bits: its GPU twins
     on one H200, session 19)."""
-    static = _static(out_rows=out_rows, tile=tile, axis_name=axis_name, recompute=recompute,
-                     copy_programs=copy_programs, grad_copy_programs=grad_copy_programs,
-                     one_kernel_forward=one_kernel_forward, interpret=interpret)  # fmt: skip
+    grad_copy_programs = copy_programs if grad_copy_programs is None else grad_copy_programs
+    if copy_programs < 0 or grad_copy_programs < 0:
+        raise ValueError(f"copy_programs={copy_programs} and grad_copy_programs="
+                         f"{grad_copy_programs} must be >= 0")  # fmt: skip
+    if recompute not in grouped_ops.RECOMPUTES:
+        raise ValueError(f"recompute={recompute!r} must be one of {grouped_ops.RECOMPUTES}")
+    static = _MlpStatic(out_rows=out_rows, tile=tile, axis_name=axis_name, recompute=recompute,
+                        copy_programs=copy_programs, grad_copy_programs=grad_copy_programs,
+                        one_kernel_forward=one_kernel_forward, interpret=interpret)  # fmt: skip
     # As swiglu_mlp does: every operand varies over the mesh axes any of them varies over (an
     # operand made to vary gets its gradient summed over those axes).
     x_nd, scale_n, w_gate_gdf, w_up_gdf, w_down_gfd, group_sizes_g = grouped_ops.vary_alike(
@@ -405,75 +389,3 @@ def dispatch_mlp(
     )
     return _dispatch_mlp(static, x_nd, scale_n, moves, back, round_index, w_gate_gdf, w_up_gdf,
                          w_down_gfd, group_sizes_g)  # fmt: skip
-
-
-def _static(
-    *,
-    out_rows: int,
-    tile: int,
-    axis_name: str,
-    recompute: grouped_ops.Recompute = "gmm",
-    copy_programs: int = 24,
-    grad_copy_programs: int | None = None,
-    one_kernel_forward: bool = False,
-    interpret: bool = False,
-) -> _MlpStatic:
-    """`dispatch_mlp`'s keyword arguments, checked."""
-    grad_copy_programs = copy_programs if grad_copy_programs is None else grad_copy_programs
-    if copy_programs < 0 or grad_copy_programs < 0:
-        raise ValueError(f"copy_programs={copy_programs} and grad_copy_programs="
-                         f"{grad_copy_programs} must be >= 0")  # fmt: skip
-    if recompute not in grouped_ops.RECOMPUTES:
-        raise ValueError(f"recompute={recompute!r} must be one of {grouped_ops.RECOMPUTES}")
-    return _MlpStatic(out_rows=out_rows, tile=tile, axis_name=axis_name, recompute=recompute,
-                      copy_programs=copy_programs, grad_copy_programs=grad_copy_programs,
-                      one_kernel_forward=one_kernel_forward, interpret=interpret)  # fmt: skip
-
-
-# ----------------------------------------------------------------------------------------------
-# The backward of several rounds: the cotangent prepared once.
-
-
-def dispatch_mlp_cotangent(d_out_nd: Array, scale_n: Array, dtype, **options) -> tuple[Array, ...]:
-    """The results' cotangent f32 [N, D] in the forms `dispatch_mlp`'s backward sends, for
-    `dispatch_mlp_grads`: with grad_copy_programs > 0 and recompute "gmm", (dy, dy_down)
-    [N, D] in `dtype` (the rows' dtype): d_out rounded, and times its row's routing weight
-    scale f32 [N] then rounded; otherwise (d_out,). options: `dispatch_mlp`'s keywords.
-
-    The forms are the same for every round, so a loop over rounds prepares them once, where
-    XLA can fuse them with whatever produced d_out (on one H200 at qwen3_30b_a3b, 16384
-    tokens, making them inside the round cost 0.72 ms besides the f32 gather, 0.84 ms, that
-    fed them: bench/results/2026-12-02_exchange_h200_s20/)."""
-    return _cotangent(_static(**options), d_out_nd, scale_n, dtype)
-
-
-def dispatch_mlp_grads(
-    cotangent: tuple[Array, ...],
-    x_nd: Array,
-    scale_n: Array,
-    moves: Moves,
-    back: Moves,
-    round_index: Array,
-    w_gate_gdf: Array,
-    w_up_gdf: Array,
-    w_down_gfd: Array,
-    group_sizes_g: Array,
-    **options,
-) -> tuple[Array, Array, Array, Array, Array]:
-    """The backward of `dispatch_mlp(x, scale, moves, back, round_index, w_gate, w_up,
-    w_down, group_sizes, **options)` for its results' cotangent in `dispatch_mlp_cotangent`'s
-    forms -> (d_x [N, D], d_scale f32 [N], d_w_gate, d_w_up, d_w_down), bit for bit its VJP's
-    (rows of other rounds unspecified, as there). For a loop over rounds that prepares the
-    cotangent once; the forward is not run."""
-    static = _static(**options)
-    operands = (x_nd, scale_n, w_gate_gdf, w_up_gdf, w_down_gfd)
-    every = grouped_ops.vary_alike(*operands, group_sizes_g, *cotangent)
-    group_sizes_g, cotangent = every[len(operands)], tuple(every[len(operands) + 1 :])
-    # As dispatch_mlp does, through jax.vjp: an operand made to vary gets its gradient summed
-    # over those axes.
-    varied, unvary = jax.vjp(lambda *a: grouped_ops.vary_alike(*a, group_sizes_g)[:-1], *operands)
-    x_nd, scale_n, w_gate_gdf, w_up_gdf, w_down_gfd = varied
-    residuals = (x_nd, scale_n, w_gate_gdf, w_up_gdf, w_down_gfd, group_sizes_g, moves, back,
-                 round_index)  # fmt: skip
-    d_x, d_scale, _, _, _, d_w_gate, d_w_up, d_w_down, _ = _grads(static, cotangent, residuals)
-    return unvary((d_x, d_scale, d_w_gate, d_w_up, d_w_down))

@@ -328,12 +328,6 @@ def test_lowered_for_cuda_on_8_devices(layout):
         assert not OVERLAPPED_RETURN.search(text)
         assert len(OVERLAPPED_COTANGENT.findall(text)) == 2
         assert len(OVERLAPPED_INPUT_GRAD.findall(text)) == 2
-        # "auto" (the default) takes the one kernel where it fits, as here, and per_gemm where
-        # it does not (D 64, above).
-        auto = dataclasses.replace(one_kernel, exchange_fusion="auto")
-        text = lowered_with_kernels(x, params, cotangent, auto, mesh)
-        assert len(ONE_KERNEL_FORWARD.findall(text)) >= 2
-        assert not OVERLAPPED_DISPATCH.search(text)
 
 
 @pytest.mark.gpu
