@@ -14,11 +14,13 @@ The model (per device, per direction; the device that receives the most rows set
     C_over     = max(ceil(T / C), 2) * c_chunk      steps of the token-wise loops (tiles.py)
     d, r       = T*K*(P-1)/P * D * bytes            rows sent out and back, balanced; the
                                                     backward sends x rows again, then dy
+                                                    (fused: dy twice)
     ragged_all_to_all: C + rounds * n_c * lat + rho * (d + r) * a / (link * eta_link)
     ring:      C_tok + c + (P-1) * max(c, hop) + return hop    (c = C_row / P)
-    fused:     C_tok + fill + max(G_row / (1 - s), X) + M_row + drain   (X: the busiest link's
-                                                    bytes; G_row, M_row: C_row's GEMMs and
-                                                    memory passes)
+    fused:     C_tok + rounds * (fill + drain) + max(G_row / (1 - s), X') + M_row
+                                                    (X': the busiest link's bytes less the
+                                                    exposed fills and drains; G_row, M_row:
+                                                    C_row's GEMMs and memory passes)
 
 C_tok is the token-side work (route, combine, shared expert, loop overheads), C_row the
 row-side work (routed GEMMs and their memory passes, which scale with rho and can overlap
@@ -167,20 +169,23 @@ ASSUMPTIONS = {
     "backward_transfer": (
         "the backward sends the x rows out again, then dy, and gets dx back (3 transfers a "
         "round): mok_jax/routed.py's backward recomputes each round's forward under jax.vjp, "
-        "and the fused implementation keeps the tokens, not the received rows (it sends x "
-        "with dy, in one kernel); the re-run forward's outputs are read by nothing, dead code "
-        "that XLA should drop (not checked kernel by kernel), and are not modelled"
+        "and the fused implementation keeps the tokens, not the received rows. fused sends dy "
+        "twice, rounded and times the row's routing weight rounded (the bits the GEMMs compute "
+        "from f32 dy without a mesh), with x, in one kernel: 3 row arrays out, against 2 for "
+        "the others; the re-run forward's outputs are read by nothing, dead code that XLA "
+        "drops, and are not modelled"
     ),
     "same_compute": (
-        "every exchange gets the fused implementation's single-GPU compute (its GEMM passes, "
-        "fused_residuals included): mok_jax's xla and pallas paths, which carry the exchanges "
-        "today, always recompute gate and up in the backward (8 passes); the tables isolate "
-        "the exchange"
+        "every exchange gets the fused implementation's single-GPU compute (its GEMM passes); "
+        "at the rack, fused_residuals 'inputs': under a mesh every implementation recomputes "
+        "gate and up in the backward (8 passes; 'gate_up', the faster on one H200, applies "
+        "only without a mesh); the tables isolate the exchange"
     ),
     "rounds": (
-        "rounds = ceil(rho / buffer_factor) for ragged_all_to_all and ring (the ring's count "
-        "follows its largest (source, destination) block, so this is a lower bound there); "
-        "fused is modelled without rounds"
+        "rounds = ceil(rho / buffer_factor) for every exchange (the ring's count follows its "
+        "largest (source, destination) block, so this is a lower bound there); fused's "
+        "kernels run a round at a time, each round exposing its first tile's arrival and its "
+        "last tile's return"
     ),
     "ring_bytes": (
         "the ring's ppermute moves fixed-shape chunks of buffer_factor x the balanced rows "
@@ -569,15 +574,20 @@ def token_chunks(w: Workload) -> int:
     return w.chunk_steps
 
 
-def exchange_bytes(w: Workload, direction: Direction) -> tuple[float, float]:
+# Row arrays each row sends out in the backward (ASSUMPTIONS["backward_transfer"]).
+BACKWARD_OUTBOUND: dict[str, int] = {"ragged_all_to_all": 2, "ring": 2, "fused": 3}
+
+
+def exchange_bytes(w: Workload, direction: Direction, exchange: Exchange) -> tuple[float, float]:
     """(dispatch, return): bytes one device sends to the others at the balanced load, per
-    direction. Forward: x rows out, y rows back. Backward: x rows out again, dy rows out, dx
-    rows back: mok_jax/routed.py's backward recomputes each round's forward under jax.vjp
-    (its dispatch included), and the fused implementation keeps the tokens, not the rows."""
+    direction. Forward: x rows out, y rows back. Backward: x rows out again and dy rows out
+    (fused: dy twice, rounded and times the routing weight rounded), dx rows back:
+    mok_jax/routed.py's backward recomputes each round's forward under jax.vjp (its dispatch
+    included), and the fused implementation keeps the tokens, not the rows."""
     s = w.shape
     remote_rows = s.tokens * s.top_k * (w.ep - 1) / w.ep
     row_out = remote_rows * s.d_model * activation_bytes(w.dtype)
-    outbound = 1 if direction == "forward" else 2
+    outbound = 1 if direction == "forward" else BACKWARD_OUTBOUND[exchange]
     return outbound * row_out, remote_rows * s.d_model * BF16_BYTES
 
 
@@ -645,7 +655,7 @@ def ragged_all_to_all(hw, w: Workload, cfg: ExchangeConfig, direction: Direction
     c = compute(hw, w, direction)
     if w.ep == 1:
         return _components(c, 0.0, 0.0)
-    dispatch, back = exchange_bytes(w, direction)
+    dispatch, back = exchange_bytes(w, direction, "ragged_all_to_all")
     link = w.imbalance * (dispatch + back) * cfg.a2a_bytes_factor / hw.link_bytes_per_s
     latency = rounds(w, cfg) * collectives(direction) * hw.latency_s
     return _components(c, link, link + latency)
@@ -657,7 +667,7 @@ def ring(hw, w: Workload, cfg: ExchangeConfig, direction: Direction):
     c = compute(hw, w, direction, chunks=w.ep)
     if w.ep == 1:
         return _components(c, 0.0, 0.0)
-    dispatch, back = exchange_bytes(w, direction)
+    dispatch, back = exchange_bytes(w, direction, "ring")
     n, lat = rounds(w, cfg), hw.latency_s
     padded = ring_chunk_factor(w, cfg) * n  # bytes moved over the balanced rows' bytes
     per_hop = padded / (w.ep - 1)
@@ -680,12 +690,13 @@ def ring_chunk_factor(w: Workload, cfg: ExchangeConfig) -> float:
 def fused(hw, w: Workload, cfg: ExchangeConfig, direction: Direction):
     """Rows move tile by tile from inside the routed GEMMs' kernels while the other SMs run
     the GEMMs on arrived tiles: the busiest link's time and those GEMMs (on 1 - s of the
-    SMs) overlap, but for the first tile's arrival and the last tile's return; the row-side
-    memory passes run outside the kernels."""
+    SMs) overlap, but for each round's first tile's arrival and last tile's return (the
+    kernels run a round at a time, `rounds`); the row-side memory passes run outside the
+    kernels."""
     c = compute(hw, w, direction)
     if w.ep == 1:
         return _components(c, 0.0, 0.0)
-    dispatch, back = exchange_bytes(w, direction)
+    dispatch, back = exchange_bytes(w, direction, "fused")
     rho = w.imbalance
     # Busiest direction of the busiest device's link: it receives rho x the dispatch and
     # sends rho x the returns, while sending its own rows and receiving its own results.
@@ -694,9 +705,10 @@ def fused(hw, w: Workload, cfg: ExchangeConfig, direction: Direction):
     tile = min(1.0, w.shape.row_tile / rows)
     fill = tile * dispatch / hw.link_bytes_per_s + hw.latency_s
     drain = tile * back / hw.link_bytes_per_s + hw.latency_s
-    body = link - (fill + drain - 2 * hw.latency_s)
+    n = rounds(w, cfg)
+    body = link - n * (fill + drain - 2 * hw.latency_s)
     gemms = c.row_gemm / (1 - cfg.comm_sm_share)
-    routed = fill + max(gemms, body) + c.row_memory + drain
+    routed = n * (fill + drain) + max(gemms, body) + c.row_memory
     return _components(c, link, routed - c.row)
 
 
@@ -980,7 +992,9 @@ MOK_SHAPE = LayerShape.from_config("mok_bench", mok_jax.presets["mok_bench"], to
 RACK_LAYOUTS = {"EP 64": Layout(data=1, expert=64), "9 x 8": Layout(data=9, expert=8)}
 MOK_CLAIMS = {"fp8": (2.37, 1.78), "bf16": (1.92, 1.58)}  # (forward, backward), SOURCES["mok"]
 ASSUMED_LINK_FRACTION = 0.8  # ASSUMPTIONS["link_fraction"]
-RACK_OPTIONS = dict(token_chunk=2048, fused_residuals="gate_up")  # the fastest on the H200
+# token_chunk 2048: the fastest on the H200. fused_residuals "inputs": under a mesh every
+# implementation recomputes gate and up in the backward ("gate_up" applies only without one).
+RACK_OPTIONS = dict(token_chunk=2048, fused_residuals="inputs")
 IMBALANCES = (1.0, 1.25, 1.5, 2.0, 3.0)
 
 
@@ -1321,7 +1335,8 @@ def _md_rack(report: dict) -> list[str]:
         f"T {shape['tokens']} tokens per GPU, D {shape['d_model']}, F {shape['d_ff']}, "
         f"{shape['num_experts']} experts, top-{shape['top_k']}; rho 1; "
         f"token_chunk {g['options']['token_chunk']}, fused_residuals "
-        f"{g['options']['fused_residuals']} (the fastest options on the H200); EP 64 (64 of the "
+        f"{g['options']['fused_residuals']} (token_chunk the fastest on the H200; gate and up "
+        "recomputed, as every implementation does under a mesh); EP 64 (64 of the "
         "72 GPUs) and 9 x 8 (data 9 x expert 8). Fused speedup = the faster of "
         "ragged_all_to_all and ring over fused. MoK's claims are over other libraries "
         "(DeepEP, Transformer Engine, NCCL, HybridEP), not over our exchanges: the columns "

@@ -319,7 +319,9 @@ def _fused_exchange(
     the 1-device mesh costs 15-19 % over no mesh at 4096 tokens
     (bench/results/2026-12-01_exchange_h200_s16/), so on an expert axis of one device the
     layer runs `_fused_experts` instead unless `exchange_on_one_device` asks for this path;
-    not run across GPUs since session 12.
+    not run across GPUs since session 12. exchange_fusion "forward" runs a round's forward as
+    one kernel instead of two (mosaic_gpu.dispatch_mlp_return): the same bits on one H200 at
+    one round and at several (sessions 19 and 20), not reliably faster there.
     """
     with jax.named_scope("dispatch"):
         x_nd = _dispatch(x_td, plan, cfg)

@@ -7,7 +7,7 @@ by arrival: the tables (`Moves`) come from mok_jax/exchange_protocol.py. The for
 own positions, one counter) are both this kernel, with the two directions' tables, when they
 are not overlapped with the GEMMs (below).
 
-Status (2026-12-01): correct on the H200 with a 1-device mesh (the copies go to the device
+Status (2026-12-02): correct on the H200 with a 1-device mesh (the copies go to the device
 itself) and, as of session 12 (before the zero ranges moved after the copies and the tables
 were packed), across two H200s over NVLink (nvidia-h200-x2: the GPU tests, and `fused` at EP 2
 bitwise equal to one GPU; bench/results/2026-12-01_exchange_overlap_h200_s12/); it lowers for
@@ -16,8 +16,9 @@ CUDA inside shard_map on 8 devices (CI). Rows move through shared memory in boxe
 `dispatch_swiglu` (below) runs the forward's dispatch inside the gate/up GEMMs' kernel, each
 GEMM tile starting once its rows are in, and `down_return` the return inside the down
 projection's kernel, each piece leaving once its rows are stored (both bitwise equal to the
-separate kernels on one H200, session 13, bench/results/2026-12-01_exchange_tail_h200_s13/; not
-yet run across GPUs). `dispatch_down_grad` runs the backward's dispatch (the results'
+separate kernels on one H200, session 13, bench/results/2026-12-01_exchange_tail_h200_s13/;
+`dispatch_swiglu` also across two H200s in its session-12 form, `down_return` not; neither in
+its current form). `dispatch_down_grad` runs the backward's dispatch (the results'
 cotangent) inside the kernel of its first GEMM, g = dy @ w_down.T, as `dispatch_swiglu` does
 (bitwise equal to the separate kernels on one H200, session 14,
 bench/results/2026-12-01_exchange_backward_h200_s14/), and `dgrad_return` the input
@@ -37,7 +38,9 @@ return; it lowers for CUDA inside shard_map on 8 devices (CI). On one H200 (sess
 4 twins were bitwise equal to the separate kernels, and the layer with it at one round (MoEConfig.
 exchange_fusion="forward", not the default) gave y and dx the bits of no mesh, 2.81 / 6.99 ms
 forward / forward+backward against per_gemm's 2.85 / 7.21 (qwen3_30b_a3b, 4096 tokens, a
-1-device mesh; bench/results/2026-12-02_exchange_h200_s19/).
+1-device mesh, f32 parameters; bench/results/2026-12-02_exchange_h200_s19/). In session 20,
+with bf16 parameters, it was the slower: 2.13 / 6.04 ms against 1.97 / 5.75; the layer's GPU
+test passed with it at several rounds (bench/results/2026-12-02_exchange_h200_s20/).
 
 Invariants (send_rows; the overlapped dispatch's O1-O3, down_return's R1-R3 and the forward
 kernel's F1-F3 are in their bodies):

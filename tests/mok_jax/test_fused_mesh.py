@@ -33,6 +33,7 @@ from tests.mok_jax.cases import (
 )
 from tests.mok_jax.test_expert_parallel import (
     loss_and_outputs,
+    steer,
     value_and_grads,
     value_and_grads_fn,
 )
@@ -117,6 +118,25 @@ def test_two_devices_equal_one():
             rounds = int(result[0][1][1].rounds)
             assert rounds >= 2 if several else rounds == 1
             assert_same_rows(result, base, QWEN3.dtype)
+
+
+def test_forced_imbalance_takes_rounds_and_drops_nothing():
+    """EP 2 with every token sent to two experts of device 0 (device 1's experts get nothing):
+    device 0 receives every row, twice its balanced load, through a buffer of half of it, so
+    in rounds; nothing is dropped, and y and dx are the bits of one device."""
+    cfg = dataclasses.replace(QWEN3, buffer_factor=0.5)
+    bias = {0: 10.0, 1: 9.0} | {e: -10.0 for e in range(4, 8)}
+    x, params, cotangent = random_inputs(cfg, NUM_TOKENS, 0)
+    params = steer(params, bias)
+    base = value_and_grads(x, params, cotangent, cfg, None)
+    ep2 = make_mesh("expert", devices=jax.devices()[:2])
+    with gpu_interpret_on_several_devices():
+        result = value_and_grads(x, params, cotangent, cfg, ep2)
+    aux = result[0][1][1]
+    assert int(aux.rounds) >= 4  # 64 rows for device 0 through 16-row windows
+    assert int(aux.dropped) == 0
+    np.testing.assert_array_equal(np.asarray(aux.tokens_per_expert)[[0, 1]], [NUM_TOKENS] * 2)
+    assert_same_rows(result, base, cfg.dtype)
 
 
 @pytest.mark.parametrize("rows,residuals", [("gathered", "inputs"), ("copied", "gate_up")])
