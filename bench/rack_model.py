@@ -14,7 +14,6 @@ The model (per device, per direction; the device that receives the most rows set
     C_over     = max(ceil(T / C), 2) * c_chunk      steps of the token-wise loops (tiles.py)
     d, r       = T*K*(P-1)/P * D * bytes            rows sent out and back, balanced; the
                                                     backward sends x rows again, then dy
-                                                    (fused: dy twice)
     ragged_all_to_all: C + rounds * n_c * lat + rho * (d + r) * a / (link * eta_link)
     ring:      C_tok + c + (P-1) * max(c, hop) + return hop    (c = C_row / P)
     fused:     C_tok + rounds * (fill + drain) + max(G_row / (1 - s), X') + M_row
@@ -169,11 +168,10 @@ ASSUMPTIONS = {
     "backward_transfer": (
         "the backward sends the x rows out again, then dy, and gets dx back (3 transfers a "
         "round): mok_jax/routed.py's backward recomputes each round's forward under jax.vjp, "
-        "and the fused implementation keeps the tokens, not the received rows. fused sends dy "
-        "twice, rounded and times the row's routing weight rounded (the bits the GEMMs compute "
-        "from f32 dy without a mesh), with x, in one kernel: 3 row arrays out, against 2 for "
-        "the others; the re-run forward's outputs are read by nothing, dead code that XLA "
-        "drops, and are not modelled"
+        "and the fused implementation keeps the tokens, not the received rows (it sends x with "
+        "dy rounded, in one kernel, and forms dy times the routing weight at the receiver; "
+        "until session 20 it sent that product too, a third row array); the re-run forward's "
+        "outputs are read by nothing, dead code that XLA drops, and are not modelled"
     ),
     "same_compute": (
         "every exchange gets the fused implementation's single-GPU compute (its GEMM passes); "
@@ -574,20 +572,16 @@ def token_chunks(w: Workload) -> int:
     return w.chunk_steps
 
 
-# Row arrays each row sends out in the backward (ASSUMPTIONS["backward_transfer"]).
-BACKWARD_OUTBOUND: dict[str, int] = {"ragged_all_to_all": 2, "ring": 2, "fused": 3}
-
-
-def exchange_bytes(w: Workload, direction: Direction, exchange: Exchange) -> tuple[float, float]:
+def exchange_bytes(w: Workload, direction: Direction) -> tuple[float, float]:
     """(dispatch, return): bytes one device sends to the others at the balanced load, per
-    direction. Forward: x rows out, y rows back. Backward: x rows out again and dy rows out
-    (fused: dy twice, rounded and times the routing weight rounded), dx rows back:
-    mok_jax/routed.py's backward recomputes each round's forward under jax.vjp (its dispatch
-    included), and the fused implementation keeps the tokens, not the rows."""
+    direction. Forward: x rows out, y rows back. Backward: x rows out again, dy rows out, dx
+    rows back: mok_jax/routed.py's backward recomputes each round's forward under jax.vjp
+    (its dispatch included), and the fused implementation keeps the tokens, not the rows (it
+    forms dy times the routing weight at the receiver, so dy crosses once)."""
     s = w.shape
     remote_rows = s.tokens * s.top_k * (w.ep - 1) / w.ep
     row_out = remote_rows * s.d_model * activation_bytes(w.dtype)
-    outbound = 1 if direction == "forward" else BACKWARD_OUTBOUND[exchange]
+    outbound = 1 if direction == "forward" else 2
     return outbound * row_out, remote_rows * s.d_model * BF16_BYTES
 
 
@@ -655,7 +649,7 @@ def ragged_all_to_all(hw, w: Workload, cfg: ExchangeConfig, direction: Direction
     c = compute(hw, w, direction)
     if w.ep == 1:
         return _components(c, 0.0, 0.0)
-    dispatch, back = exchange_bytes(w, direction, "ragged_all_to_all")
+    dispatch, back = exchange_bytes(w, direction)
     link = w.imbalance * (dispatch + back) * cfg.a2a_bytes_factor / hw.link_bytes_per_s
     latency = rounds(w, cfg) * collectives(direction) * hw.latency_s
     return _components(c, link, link + latency)
@@ -667,7 +661,7 @@ def ring(hw, w: Workload, cfg: ExchangeConfig, direction: Direction):
     c = compute(hw, w, direction, chunks=w.ep)
     if w.ep == 1:
         return _components(c, 0.0, 0.0)
-    dispatch, back = exchange_bytes(w, direction, "ring")
+    dispatch, back = exchange_bytes(w, direction)
     n, lat = rounds(w, cfg), hw.latency_s
     padded = ring_chunk_factor(w, cfg) * n  # bytes moved over the balanced rows' bytes
     per_hop = padded / (w.ep - 1)
@@ -696,7 +690,7 @@ def fused(hw, w: Workload, cfg: ExchangeConfig, direction: Direction):
     c = compute(hw, w, direction)
     if w.ep == 1:
         return _components(c, 0.0, 0.0)
-    dispatch, back = exchange_bytes(w, direction, "fused")
+    dispatch, back = exchange_bytes(w, direction)
     rho = w.imbalance
     # Busiest direction of the busiest device's link: it receives rho x the dispatch and
     # sends rho x the returns, while sending its own rows and receiving its own results.

@@ -788,10 +788,11 @@ def dispatch_down_grad(
     As `dispatch_swiglu`, with the GEMM g = dy @ w_down[g].T in f32 (`gmm(dy, w_down,
     group_sizes_g, transpose_rhs=True, out_dtype=f32)`, bit for bit): copy programs move the
     rows of dy [A, D] (bf16: the cotangent as the GEMMs read it) and, with the same tables,
-    of each side [A, C] (a row a multiple of 16 bytes: the layer's are the cotangent times
-    the routing weight, bf16 [A, D], which d_w_down reads, and the forward's rows and their
-    weights, which the backward recomputes from), and each GEMM tile starts once the rows it
-    stores are in. Call inside `jax.shard_map` over `axis_name`."""
+    of each side [A, C] (a row a multiple of 16 bytes: the layer's are the forward's rows
+    and their routing weights, which the backward recomputes from and scales dy by; until
+    session 20 also dy times the weight, rounded, now formed at the buffer), and each GEMM
+    tile starts once the rows it stores are in. Call inside `jax.shard_map` over
+    `axis_name`."""
     _check_sides(sides, dy_ad.shape[0], f"dy's rows {dy_ad.shape}")
     return _dispatch_gemm(
         "transposed", dy_ad, sides, moves, round_index, (w_down_gfd,), ("w_down",),

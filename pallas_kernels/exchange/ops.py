@@ -217,12 +217,13 @@ def _grads_at_buffers(static: _MlpStatic, d_out, residuals):
     return's gradient: each slot's cotangent from its row; zeros in the slots no row fills,
     the dispatch's zero ranges).
 
-    With grad_copy_programs > 0 (recompute "gmm") the four travel inside the first backward
-    GEMM's kernel (`mosaic_gpu.dispatch_down_grad`): d_out as the GEMMs read it, rounded, and
-    times its row's weight, rounded (the same bytes as f32, and the bits the GEMMs would
-    compute from the f32 copy at the slot, whose weight is the row's), x and the weights as
-    the forward's dispatch sends them. With `interpret` (the CPU) the same path runs as the
-    kernel's spec. Otherwise each is a copy of its own (`send_rows`)."""
+    With grad_copy_programs > 0 (recompute "gmm") the three travel inside the first backward
+    GEMM's kernel (`mosaic_gpu.dispatch_down_grad`): d_out as the GEMMs read it, rounded, x
+    and the weights as the forward's dispatch sends them; at the buffer, d_out times its
+    row's weight (for d_w_down) is formed from the rounded rows (`scaled_cotangent`, as
+    `swiglu_mlp_grads` forms it from f32 d_out), so d_out crosses once. With `interpret` (the
+    CPU) the same path runs as the kernel's spec. Otherwise each is a copy of its own
+    (`send_rows`)."""
     x_nd, scale_n, w_gate, w_up, w_down, group_sizes, moves, round_index = residuals
     send = functools.partial(
         _send, out_rows=static.out_rows, axis_name=static.axis_name, implementation="auto"
@@ -230,22 +231,17 @@ def _grads_at_buffers(static: _MlpStatic, d_out, residuals):
     scale_n4 = _column4(scale_n)
     if static.grad_copy_programs and static.recompute == "gmm":
         dy_c = d_out.astype(x_nd.dtype)
-        dy_down = (d_out.astype(jnp.float32) * scale_n.astype(jnp.float32)[:, None]).astype(
-            x_nd.dtype
-        )
         if static.interpret:
             # The CPU: the kernel's spec, the copies by `send_rows` (its reference there) and the
             # GEMM in interpret mode, so the CPU tests hold this path's bits too.
-            dy_s, dy_down_s, buffer, scale_s4 = (
-                send(a, moves, round_index) for a in (dy_c, dy_down, x_nd, scale_n4)
-            )
+            dy_s, buffer, scale_s4 = (send(a, moves, round_index) for a in (dy_c, x_nd, scale_n4))
             g = grouped_kernel.gmm(dy_s, w_down, group_sizes, transpose_rhs=True,
                                    out_dtype=jnp.float32, interpret=True)  # fmt: skip
             g = grouped_ops.like(g, dy_s)
         else:
-            _, (dy_down_s, buffer, scale_s4), g = mosaic_gpu.dispatch_down_grad(
+            dy_s, (buffer, scale_s4), g = mosaic_gpu.dispatch_down_grad(
                 dy_c,
-                (dy_down, x_nd, scale_n4),
+                (x_nd, scale_n4),
                 moves,
                 round_index,
                 w_down,
@@ -255,6 +251,7 @@ def _grads_at_buffers(static: _MlpStatic, d_out, residuals):
                 axis_name=static.axis_name,
                 copy_programs=static.grad_copy_programs,
             )
+        dy_down_s = grouped_ops.scaled_cotangent(dy_s, scale_s4[:, 0])
         return grouped_ops.swiglu_mlp_grads_from_g(
             buffer, w_gate, w_up, w_down, group_sizes, scale_s4[:, 0], g, dy_down_s,
             input_grad=False, interpret=static.interpret,

@@ -7,7 +7,7 @@
               d_lhs = gmm(dy, rhs, transpose_rhs=True, row_scale_m=s) (scale in the epilogue)
               d_s = rowsum(dy * (lhs @ rhs[g])) in f32: the unscaled output is RECOMPUTED (one
               more gmm, f32 out) rather than stored (an [M, N] f32 residual); d_rhs = tgmm(lhs,
-              s * dy).
+              s * dy), dy rounded before the product (`scaled_cotangent`).
   gmm_swiglu  h = silu(lhs @ w_gate[g]) * (lhs @ w_up[g])
               the backward recomputes gate and up (two f32 gmm calls; nothing stored), forms
               d_gate = dh * up * silu'(gate) and d_up = dh * silu(gate) in f32, casts them to
@@ -156,6 +156,15 @@ def _gmm_scaled_fwd(static, lhs, rhs, group_sizes, row_scale):
     return out, (lhs, rhs, group_sizes, row_scale)
 
 
+def scaled_cotangent(dy_c: Array, row_scale: Array) -> Array:
+    """dy times the row scale, for the down projection's weight gradient: dy_c [M, N] (the
+    cotangent already rounded to the compute dtype, as the GEMMs read it) times row_scale f32
+    [M] in f32, rounded to dy_c's dtype. From the rounded dy, not the f32 one, so that a
+    device that receives only the rounded rows (the exchange's backward,
+    pallas_kernels/exchange) forms the same bits as one that holds the f32 cotangent."""
+    return (dy_c.astype(jnp.float32) * row_scale.astype(jnp.float32)[:, None]).astype(dy_c.dtype)
+
+
 def _gmm_scaled_bwd(static, residuals, dy):
     lhs, rhs, group_sizes, row_scale = residuals
     run = functools.partial(mosaic_gpu.gmm, interpret=static.interpret)
@@ -165,7 +174,7 @@ def _gmm_scaled_bwd(static, residuals, dy):
     dy_c = dy.astype(lhs.dtype)
     # d_lhs = s * (dy @ rhs[g].T): the scale in the epilogue, in f32, before the cast.
     d_lhs = run(dy_c, rhs, group_sizes, transpose_rhs=True, row_scale_m=row_scale)
-    scaled_dy = (dy.astype(jnp.float32) * row_scale[:, None]).astype(lhs.dtype)
+    scaled_dy = scaled_cotangent(dy_c, row_scale)
     d_rhs = tgmm(lhs, scaled_dy, group_sizes, out_dtype=rhs.dtype, interpret=static.interpret)
     return like(d_lhs, lhs), like(d_rhs, rhs), None, d_scale
 
@@ -345,7 +354,7 @@ def swiglu_mlp_grads(
     dy_c = dy.astype(lhs.dtype)
     scale = None if row_scale is None else row_scale.astype(jnp.float32)[:, None]
     # dy times the row scale, for d_w_down.
-    dy_down = dy_c if scale is None else (dy.astype(jnp.float32) * scale).astype(lhs.dtype)
+    dy_down = dy_c if row_scale is None else scaled_cotangent(dy_c, row_scale)
     if saved is None and recompute == "gmm":
         saved = _recomputed(static, lhs, w_gate, w_up, group_sizes)
     if saved is None:
@@ -417,10 +426,11 @@ def swiglu_mlp_grads_from_g(
 ) -> tuple[Array, Array, Array, Array, None, Array | None]:
     """`swiglu_mlp_grads(..., dy, recompute="gmm")` from its first backward GEMM's result
     instead of dy: g = gmm(dy.astype(lhs.dtype), w_down, group_sizes, transpose_rhs=True,
-    out_dtype=f32) ([M, F]) and dy_down = (dy * row_scale[:, None]).astype(lhs.dtype) ([M,
-    N]; dy.astype(lhs.dtype) without a row scale), computed elsewhere (in the exchange's
-    kernel, pallas_kernels/exchange, which sends dy in these two forms). The same outputs, bit
-    for bit; gate and up are recomputed. `input_grad` as in `swiglu_mlp_grads`."""
+    out_dtype=f32) ([M, F]) and dy_down = scaled_cotangent(dy.astype(lhs.dtype), row_scale)
+    ([M, N]; dy.astype(lhs.dtype) without a row scale), computed elsewhere (after the
+    exchange's kernel, pallas_kernels/exchange, which sends dy rounded and computes g). The
+    same outputs, bit for bit; gate and up are recomputed. `input_grad` as in
+    `swiglu_mlp_grads`."""
     static = _Static(interpret=interpret, input_grad=input_grad)
     scale = None if row_scale is None else row_scale.astype(jnp.float32)[:, None]
     saved = _recomputed(static, lhs, w_gate, w_up, group_sizes)

@@ -54,12 +54,12 @@ OVERLAPPED_RETURN = re.compile(
     r"custom_call @mosaic_gpu.*-> \(tensor<\d+x(\d+)xf32>, tensor<\d+x\1xf32>"
 )
 
-# dispatch_down_grad's custom call (the backward's dispatch): the cotangent as bf16 twice [S, D]
-# (rounded, and times the weights), the rows x [S, D] and their weights [S, 4] f32 again, and
-# g [S, F] f32.
+# dispatch_down_grad's custom call (the backward's dispatch): the cotangent rounded to bf16
+# [S, D] (once: its product with the weights is formed at the buffer), the rows x [S, D] and
+# their weights [S, 4] f32 again, and g [S, F] f32.
 OVERLAPPED_COTANGENT = re.compile(
     r"custom_call @mosaic_gpu.*-> \(tensor<(\d+)x(\d+)xbf16>, tensor<\1x\2xbf16>, "
-    r"tensor<\1x\2xbf16>, tensor<\1x4xf32>, tensor<\1x\d+xf32>"
+    r"tensor<\1x4xf32>, tensor<\1x\d+xf32>"
 )
 
 # dgrad_return's custom call (the backward's way back): the input gradient d_buffer [S, D] bf16,

@@ -751,8 +751,9 @@ def dispatch_down_grad_specs(mesh, num_sides: int) -> dict:
 
 def dispatch_down_grad_inputs(mesh, num_local, num_rows, d_model, d_ff, num_sides, seed=0):
     """Random (w_down, dy, *sides) for dispatch_down_grad_fn, placed on `mesh`: bf16 w_down
-    and dy; the layer's sides, dy times the weights and the rows x (bf16 [N, D]) and their
-    weights (f32 [N, 4]), the first `num_sides` of them."""
+    and dy; sides of the layer's kinds, two bf16 [N, D] arrays (until session 20 the layer
+    sent dy times the weights and the rows x; now x alone) and the weights (f32 [N, 4]), the
+    first `num_sides` of them."""
     num_devices = mesh.devices.size
     keys = jax.random.split(jax.random.key(seed), 5)
     w_down = jax.random.normal(keys[0], (num_devices * num_local, d_ff, d_model)) / d_model**0.5
@@ -763,8 +764,8 @@ def dispatch_down_grad_inputs(mesh, num_local, num_rows, d_model, d_ff, num_side
     return tuple(put(a) for a in arrays[: 2 + num_sides])
 
 
-# dispatch_down_grad's custom call with the layer's sides: dy, dy_down and x [S, D] bf16, the
-# weights [S, 4] f32, g [S, F] f32.
+# dispatch_down_grad's custom call with three sides (the layer's until session 20; it now sends
+# the last two): dy, a second bf16 array and x [S, D] bf16, the weights [S, 4] f32, g [S, F] f32.
 DOWN_GRAD_CALL = (
     r"custom_call @mosaic_gpu.*-> \(tensor<(\d+)x(\d+)xbf16>, tensor<\1x\2xbf16>, "
     r"tensor<\1x\2xbf16>, tensor<\1x4xf32>, tensor<\1x\d+xf32>"
@@ -773,10 +774,10 @@ DOWN_GRAD_CALL = (
 
 @pytest.mark.parametrize("copy_stages", [1, 4])
 def test_dispatch_down_grad_lowers_for_cuda_inside_shard_map_on_8_devices(copy_stages):
-    """One kernel for the layer's backward dispatch (dy, dy times the weights, the rows x and
-    their weights, with one set of tables) and g = dy @ w_down[g].T, its peers addressed
-    through XLA's collective metadata, its tile counters one set for the kernel; bad
-    arguments raise."""
+    """One kernel for a backward dispatch of three sides (dy, two bf16 arrays and the
+    weights, with one set of tables; the layer sends dy, x and the weights) and g = dy @
+    w_down[g].T, its peers addressed through XLA's collective metadata, its tile counters
+    one set for the kernel; bad arguments raise."""
     num_devices, num_local, num_rows, window, tile = 8, 4, 512, 640, 64
     d_model, d_ff = 2048, 768
     mesh = jax.make_mesh((num_devices,), (AXIS,))
@@ -827,10 +828,10 @@ def test_dispatch_down_grad_lowers_for_cuda_inside_shard_map_on_8_devices(copy_s
 def test_gpu_dispatch_down_grad_gives_the_bits_of_the_separate_kernels(
     num_local, num_rows, window, tile, copy_programs, num_sides, copy_stages
 ):
-    """The overlapped kernel's dy, its sides (the layer's: dy_down, x and the weights, three
-    arrays in two kinds of stage) and g are those of send_rows (for each) then the
-    transposed gmm, bit for bit, round by round: the dispatched arrays in every slot the
-    dispatch specifies, g in every slot."""
+    """The overlapped kernel's dy, its sides (three arrays in two kinds of stage: two bf16
+    [A, D], the layer's x among them, and the weights) and g are those of send_rows (for
+    each) then the transposed gmm, bit for bit, round by round: the dispatched arrays in
+    every slot the dispatch specifies, g in every slot."""
     devices = jax.devices()
     mesh = jax.make_mesh((len(devices),), (AXIS,), devices=devices)
     d_model, d_ff = 2048, 768

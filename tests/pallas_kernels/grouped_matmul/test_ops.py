@@ -188,8 +188,8 @@ def test_swiglu_mlp_grads_from_the_saved_gate_up(recompute):
 @pytest.mark.parametrize("weighted", [False, True])
 def test_swiglu_mlp_grads_from_g_give_the_bits_of_the_recomputing_backward(weighted):
     """From g = dy @ w_down[g].T (f32) and dy times the row scale (bf16), formed as the
-    exchange's kernel forms them (dy rounded first for g, dy times the scale then rounded),
-    every gradient is that of swiglu_mlp_grads(dy, recompute="gmm"), bit for bit."""
+    exchange's backward forms them (dy rounded first for both: scaled_cotangent), every
+    gradient is that of swiglu_mlp_grads(dy, recompute="gmm"), bit for bit."""
     from pallas_kernels.grouped_matmul import mosaic_gpu
 
     t = _inputs(*CASES[0])
@@ -198,8 +198,8 @@ def test_swiglu_mlp_grads_from_g_give_the_bits_of_the_recomputing_backward(weigh
     weights = (t["w"], t["w2"], t["w_t"])
     g = mosaic_gpu.gmm(dy.astype(t["x"].dtype), t["w_t"], t["sizes"], transpose_rhs=True,
                        out_dtype=jnp.float32, interpret=True)  # fmt: skip
-    dy_down = dy if scale is None else dy.astype(jnp.float32) * scale[:, None]
-    dy_down = dy_down.astype(t["x"].dtype)
+    dy_c = dy.astype(t["x"].dtype)
+    dy_down = dy_c if scale is None else ops.scaled_cotangent(dy_c, scale)
     got = ops.swiglu_mlp_grads_from_g(t["x"], *weights, t["sizes"], scale, g, dy_down,
                                       interpret=True)  # fmt: skip
     want = ops.swiglu_mlp_grads(t["x"], *weights, t["sizes"], scale, dy, recompute="gmm",
@@ -225,7 +225,7 @@ def test_swiglu_mlp_grads_without_the_input_grad_hand_back_its_gemm_operand(reco
     if recompute == "from_g":
         g = mosaic_gpu.gmm(t["cotangent"].astype(t["x"].dtype), t["w_t"], t["sizes"],
                            transpose_rhs=True, out_dtype=jnp.float32, interpret=True)  # fmt: skip
-        dy_down = (t["cotangent"] * t["scale"][:, None]).astype(t["x"].dtype)
+        dy_down = ops.scaled_cotangent(t["cotangent"].astype(t["x"].dtype), t["scale"])
         run = functools.partial(ops.swiglu_mlp_grads_from_g, *args, g, dy_down, interpret=True)
     else:
         run = functools.partial(ops.swiglu_mlp_grads, *args, t["cotangent"], recompute=recompute,
@@ -237,6 +237,20 @@ def test_swiglu_mlp_grads_without_the_input_grad_hand_back_its_gemm_operand(reco
     chex.assert_type(d_gate_up, t["x"].dtype)
     d_lhs = ops.swiglu_input_grad(d_gate_up, t["w"], t["w2"], t["sizes"], interpret=True)
     chex.assert_trees_all_equal((d_lhs, *got[1:]), want)
+
+
+def test_the_scaled_cotangent_rounds_dy_first():
+    """dy times the row scale is formed from dy rounded to the compute dtype, so that a device
+    holding only the rounded rows forms the same bits; from f32 dy some differ."""
+    t = _inputs(*CASES[0])
+    dy, scale = t["cotangent"], t["scale"]
+    dy_c = dy.astype(jnp.bfloat16)
+    got = ops.scaled_cotangent(dy_c, scale)
+    chex.assert_type(got, jnp.bfloat16)
+    want = (dy_c.astype(jnp.float32) * scale[:, None]).astype(jnp.bfloat16)
+    chex.assert_trees_all_equal(got, want)
+    from_f32 = (dy.astype(jnp.float32) * scale[:, None]).astype(jnp.bfloat16)
+    assert not np.array_equal(np.asarray(got, np.float32), np.asarray(from_f32, np.float32))
 
 
 def test_swiglu_mlp_recomputes_agree_and_bad_ones_raise():
