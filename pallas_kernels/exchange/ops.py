@@ -251,9 +251,10 @@ def _grads_at_buffers(static: _MlpStatic, d_out, residuals):
                 axis_name=static.axis_name,
                 copy_programs=static.grad_copy_programs,
             )
-        dy_down_s = grouped_ops.scaled_cotangent(dy_s, scale_s4[:, 0])
+        scale_s = scale_s4[:, 0]
         return grouped_ops.swiglu_mlp_grads_from_g(
-            buffer, w_gate, w_up, w_down, group_sizes, scale_s4[:, 0], g, dy_down_s,
+            buffer, w_gate, w_up, w_down, group_sizes, scale_s, g,
+            grouped_ops.scaled_cotangent(dy_s, scale_s),
             input_grad=False, interpret=static.interpret,
         )  # fmt: skip
     buffer, scale_s4, dy = (send(a, moves, round_index) for a in (x_nd, scale_n4, d_out))
