@@ -4,7 +4,12 @@ test module."""
 
 import gc
 import os
+import tempfile
 import types
+
+# The training command's compilation cache (on by default, in the user's cache folder) goes to a
+# folder of the test run's own, for the commands the tests start too.
+os.environ.setdefault("MOK_JAX_CACHE_DIR", tempfile.mkdtemp(prefix="mok_jax_test_cache_"))
 
 # Before jax initializes its backends: 8 simulated CPU devices for the sharded tests.
 _flags = os.environ.get("XLA_FLAGS", "")

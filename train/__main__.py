@@ -21,7 +21,8 @@ from collections.abc import Sequence
 # jax reads XLA_FLAGS when its first backend starts, not when it is imported: importing the
 # configs (and jax with them) before the device count is set is fine; using a device is not.
 from mok_jax.config import IMPLEMENTATIONS
-from train.config import MESH_LAYOUTS, PRESETS
+from train.compile_cache import ENV_VAR as CACHE_ENV_VAR
+from train.config import MESH_LAYOUTS, PRESETS, REMAT_CHOICES
 
 DEFAULT_CPU_DEVICES = 8
 
@@ -89,6 +90,27 @@ def _train_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-every", type=int, help="evaluate every N steps (0: off)")
     p.add_argument("--save-every", type=int, help="checkpoint every N steps (0: only at the end)")
     p.add_argument("--router-bias-rate", type=float, help="aux-loss-free balancing rate (0: off)")
+    p.add_argument(
+        "--remat",
+        choices=REMAT_CHOICES,
+        help="what the backward recomputes: none, attention (each block's attention), block "
+        "(whole blocks), or auto (the default: the least recomputation whose memory estimate "
+        "fits the device)",
+    )
+    p.add_argument(
+        "--grad-accum",
+        type=int,
+        help="microbatches per step: the same batch's gradients in that many passes, for "
+        "1/N of the activation memory (default 1)",
+    )
+    p.add_argument(
+        "--cache-dir",
+        help=f"JAX's persistent compilation cache folder (default: ${CACHE_ENV_VAR}, "
+        "else ~/.cache/mok_jax), so a second run of the same step starts without compiling",
+    )
+    p.add_argument(
+        "--no-compile-cache", action="store_true", help="turn the persistent compilation cache off"
+    )
     p.add_argument(
         "--check-determinism",
         action="store_true",
@@ -211,6 +233,8 @@ def _configs(args: argparse.Namespace):
         "router_bias_rate": args.router_bias_rate,
         "layout": args.layout,
         "data_parallel": args.data_parallel,
+        "remat": args.remat,
+        "grad_accum": args.grad_accum,
     }
     changes = {k: v for k, v in changes.items() if v is not None}
     train_cfg = dataclasses.replace(train_base, **changes)
@@ -220,19 +244,38 @@ def _configs(args: argparse.Namespace):
     return model_cfg, train_cfg
 
 
+def _cache_off(args: argparse.Namespace) -> bool:
+    """--no-compile-cache, or several processes on CPUs: their gloo collectives give up when one
+    process reaches the first step 30 s after another, which a cache hit on one side can make
+    happen."""
+    if args.no_compile_cache:
+        return True
+    import jax
+
+    return jax.process_count() > 1 and jax.default_backend() == "cpu"
+
+
 def main_train(argv: Sequence[str]) -> int:
     parser = _train_parser()
     args = parser.parse_args(argv)
     _set_devices(args.devices, parser)
+    # A training process owns its GPU: let JAX's allocator take 90% of it (JAX's default is
+    # 75%), unless the environment says otherwise.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
     try:
         _distributed(args, parser)
         model_cfg, train_cfg = _configs(args)
     except ValueError as e:
         parser.error(str(e))
 
+    from train import compile_cache, loop
     from train import data as data_lib
-    from train import loop
+    from train.memory import DoesNotFit
 
+    try:
+        compile_cache.enable(None if _cache_off(args) else (args.cache_dir or ""))
+    except OSError as e:
+        parser.error(f"--cache-dir: {e}")
     try:
         if args.check_determinism:
             report = loop.check_determinism(model_cfg, train_cfg)
@@ -254,7 +297,7 @@ def main_train(argv: Sequence[str]) -> int:
             progress=not args.no_progress,
             sample=not args.no_sample,
         )
-    except (data_lib.DataError, loop.WorkdirInUse, ValueError) as e:
+    except (data_lib.DataError, loop.WorkdirInUse, DoesNotFit, ValueError) as e:
         parser.error(str(e))
     except loop.TrainingDiverged as e:
         print(f"python -m train: {e}", file=sys.stderr)

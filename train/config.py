@@ -26,6 +26,23 @@ from mok_jax.config import (
 
 MeshLayout = Literal["expert", "data_expert"]
 MESH_LAYOUTS: tuple[str, ...] = typing.get_args(MeshLayout)
+# What the backward recomputes instead of keeping (the rematerialization policy of each block),
+# from the most memory and least time to the least memory and most time: "none" keeps every
+# residual autodiff asks for; "attention" keeps a block's input to the attention and recomputes
+# the attention (norm, projections, rotary, scores) in the backward, keeping everything else
+# (the MoE layer's residuals among it); "block" keeps only each block group's input and
+# recomputes the whole group, its MoE layer included.
+Remat = Literal["none", "attention", "block"]
+REMATS: tuple[str, ...] = typing.get_args(Remat)
+# The run's choice: one of `Remat`, or "auto": the first of them that fits the device's memory
+# (train.memory.choose_remat).
+RematChoice = Literal["auto", "none", "attention", "block"]
+REMAT_CHOICES: tuple[str, ...] = typing.get_args(RematChoice)
+# How the attention computes softmax(q k^T) v: "xla" (jax.nn.dot_product_attention's XLA
+# implementation: the [B, N, S, S] scores in memory), "cudnn" (cuDNN's fused flash attention,
+# GPUs only, bf16/f16), or "auto": "cudnn" on a GPU where it applies, else "xla".
+AttentionImpl = Literal["auto", "xla", "cudnn"]
+ATTENTION_IMPLS: tuple[str, ...] = typing.get_args(AttentionImpl)
 
 
 def _float(name: str, value: typing.Any, *, low: float, high: float = math.inf) -> float:
@@ -54,6 +71,7 @@ class ModelConfig:
       dense_d_ff: the width of the dense SwiGLU blocks; None derives it as top_k * moe.d_ff
         (the routed experts' active width).
       rope_theta: the rotary embeddings' base.
+      attention: the attention's implementation (see `AttentionImpl`); the same function.
       dtype: the compute dtype of the dense parts (embeddings, attention, dense SwiGLU); the
         logits and the loss are f32, and the MoE block computes in `moe.dtype`.
     """
@@ -68,6 +86,7 @@ class ModelConfig:
     moe_every: int = 1
     dense_d_ff: int | None = None
     rope_theta: float = 10_000.0
+    attention: AttentionImpl = "auto"
     dtype: typing.Any = jnp.float32
 
     def __post_init__(self) -> None:
@@ -83,6 +102,8 @@ class ModelConfig:
             )
         object.__setattr__(self, "rope_theta", _float("rope_theta", self.rope_theta, low=1.0))
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
+        if self.attention not in ATTENTION_IMPLS:
+            raise ValueError(f"attention={self.attention!r} must be one of {ATTENTION_IMPLS}")
         if not isinstance(self.moe, MoEConfig):
             raise ValueError(f"moe={self.moe!r} must be a mok_jax.MoEConfig")
         if self.moe.d_model != self.d_model:
@@ -146,6 +167,13 @@ class TrainConfig:
       workdir: where metrics, checkpoints, the plot and the samples go.
       router_bias_rate: the auxiliary-loss-free balancing's bias step after each update
         (`MoE.update_router_bias`); 0 turns it off.
+      remat: the backward's rematerialization policy (see `Remat`), or "auto": the policy
+        with the least recomputation whose memory estimate fits the device
+        (`train.memory`). It changes memory and time, not values.
+      grad_accum: microbatches per step: the batch's gradients are the mean of this many
+        microbatches' (of batch_size / grad_accum sequences each), computed one after the
+        other, so activations take 1 / grad_accum of the memory. The MoE's balancing losses
+        and capacity apply per microbatch.
     """
 
     steps: int
@@ -169,9 +197,18 @@ class TrainConfig:
     data: str = "stdlib"
     workdir: str = "runs/tiny"
     router_bias_rate: float = 0.0
+    remat: RematChoice = "auto"
+    grad_accum: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("steps", "schedule_steps", "batch_size", "seq_len", "eval_batches"):
+        for name in (
+            "steps",
+            "schedule_steps",
+            "batch_size",
+            "seq_len",
+            "eval_batches",
+            "grad_accum",
+        ):
             object.__setattr__(self, name, check_int(name, getattr(self, name), minimum=1))
         for name in ("warmup_steps", "eval_every", "save_every", "seed"):
             object.__setattr__(self, name, check_int(name, getattr(self, name), minimum=0))
@@ -198,6 +235,12 @@ class TrainConfig:
             object.__setattr__(self, "devices", check_int("devices", self.devices, minimum=1))
         if self.layout not in MESH_LAYOUTS:
             raise ValueError(f"layout={self.layout!r} must be one of {MESH_LAYOUTS}")
+        if self.remat not in REMAT_CHOICES:
+            raise ValueError(f"remat={self.remat!r} must be one of {REMAT_CHOICES}")
+        if self.batch_size % self.grad_accum:
+            raise ValueError(
+                f"batch_size={self.batch_size} must be divisible by grad_accum={self.grad_accum}"
+            )
         if self.data_parallel is not None:
             dp = check_int("data_parallel", self.data_parallel, minimum=1)
             object.__setattr__(self, "data_parallel", dp)
@@ -293,6 +336,11 @@ PRESETS: Mapping[str, Preset] = MappingProxyType(
                     z_loss_coef=1e-3,
                     dtype="bfloat16",
                     row_tile=128,
+                    # One device holds 65,536 tokens a step: the token-wise stages (routing,
+                    # combine, shared expert) in 4 chunks instead of 128 of 512 (each chunk
+                    # costs its kernels' launches: ~0.09 ms a layer, forward + backward, on
+                    # one H200 at the qwen3 layer's shape).
+                    token_chunk=16384,
                 ),
                 dtype="bfloat16",
             ),
@@ -307,6 +355,7 @@ PRESETS: Mapping[str, Preset] = MappingProxyType(
                 save_every=1000,
                 workdir="runs/gpu",
                 router_bias_rate=1e-3,
+                implementation="fused",
             ),
         ),
     }

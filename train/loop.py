@@ -279,6 +279,9 @@ def train(
         f"data {train_cfg.data!r} ({run.train_data.size:,} train / {run.eval_data.size:,} eval "
         f"bytes); workdir {workdir}"
     )
+    say(_plan_line(trainer))
+    if start < train_cfg.steps and not trainer.compiled:
+        say(_compile_line(trainer.compile()))
     logger = RunLogger(
         workdir,
         total_steps=train_cfg.steps,
@@ -286,55 +289,121 @@ def train(
         enabled=run.pid == 0,
         progress=progress,
     )
-    losses: list[float] = []
-    eval_loss = None
-    saved = latest
-    steady_tokens, steady_seconds = 0, 0.0
+    steps = _Steps(run, checkpoints, logger, started, saved=latest)
     try:
-        for step in range(start, train_cfg.steps):
-            if state_hook is not None:
-                state = state_hook(step, state)
-            inputs, targets = run.batch(step)
-            tick = time.perf_counter()
-            state, metrics = trainer.train_step(state, inputs, targets)
-            metrics = jax.device_get(metrics)
-            seconds = time.perf_counter() - tick
-            done = step + 1
-            loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
-            if not (
-                math.isfinite(loss)
-                and math.isfinite(float(metrics["total_loss"]))
-                and math.isfinite(grad_norm)
-            ):
-                raise TrainingDiverged(done, loss, grad_norm, checkpoints.latest_step())
-            if step > start:
-                steady_tokens += run.tokens_per_step
-                steady_seconds += seconds
-            losses.append(loss)
-            record = run.record(done, metrics, seconds, time.perf_counter() - started)
-            if run.eval_set and (done % train_cfg.eval_every == 0 or done == train_cfg.steps):
-                eval_loss = run.evaluate(state)
-                record["eval_loss"] = eval_loss
-            logger.log(record)
-            if train_cfg.save_every and done % train_cfg.save_every == 0:
-                saved = checkpoints.save(state)
-        if int(jax.device_get(state.step)) != saved:
-            saved = checkpoints.save(state)
+        state = steps.run(state, start, train_cfg.steps, state_hook)
+        if int(jax.device_get(state.step)) != steps.saved:
+            checkpoints.save(state)
     finally:
         logger.close()
         checkpoints.close()
     samples = _finish(run, state, workdir, say, sample=sample)
-    tokens_per_s = steady_tokens / steady_seconds if steady_seconds else None
     return Summary(
         start_step=start,
         steps=int(jax.device_get(state.step)),
-        final_loss=losses[-1] if losses else None,
-        final_eval_loss=eval_loss,
-        tokens_per_s=tokens_per_s,
+        final_loss=steps.losses[-1] if steps.losses else None,
+        final_eval_loss=steps.eval_loss,
+        tokens_per_s=steps.tokens_per_s,
         time_s=time.perf_counter() - started,
-        losses=losses,
+        losses=steps.losses,
         workdir=workdir,
         samples=samples,
+    )
+
+
+class _Steps:
+    """The loop over steps. Step n + 1 is dispatched before step n's metrics are read, so the
+    host prepares the next batch and reads the last metrics while the device computes; the
+    loop waits for the device only where a step's state is needed (evaluation and checkpoint
+    steps, the last step). A step whose loss or gradient norm is not finite raises
+    `TrainingDiverged` when its metrics are read: it and every later step are neither logged
+    nor saved (a checkpoint is written only after its step's metrics were checked)."""
+
+    def __init__(self, run: _Run, checkpoints: Checkpoints, logger: RunLogger, started, saved):
+        self.run_, self.checkpoints, self.logger, self.started = run, checkpoints, logger, started
+        self.saved = saved
+        self.losses: list[float] = []
+        self.eval_loss: float | None = None
+        self._steady_tokens, self._steady_seconds = 0, 0.0
+        self._last_read: float | None = None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Mean throughput over the steps after the first."""
+        return self._steady_tokens / self._steady_seconds if self._steady_seconds else None
+
+    def run(self, state: TrainState, start: int, stop: int, state_hook) -> TrainState:
+        """Steps start..stop-1 from `state`; returns the final state."""
+        cfg, trainer = self.run_.cfg, self.run_.trainer
+        pending = None  # (done, metrics) of the step dispatched last, not yet read
+        self._last_read = time.perf_counter()
+        for step in range(start, stop):
+            if state_hook is not None:
+                state = state_hook(step, state)
+            inputs, targets = self.run_.batch(step)
+            state, metrics = trainer.train_step(state, inputs, targets)
+            if pending is not None:
+                self._finish(*pending, first=pending[0] == start + 1)
+            done = step + 1
+            pending = (done, metrics)
+            needs_state = done == stop or (cfg.save_every and done % cfg.save_every == 0)
+            needs_state = needs_state or (self.run_.eval_set and done % cfg.eval_every == 0)
+            if needs_state:
+                self._finish(done, metrics, first=done == start + 1, state=state, stop=stop)
+                pending = None
+        if pending is not None:
+            self._finish(*pending, first=pending[0] == start + 1)
+        return state
+
+    def _finish(self, done, metrics, *, first, state=None, stop=None) -> None:
+        """Reads step `done`'s metrics (waiting for the device), checks them, logs them, and
+        with `state` (the state after the step) evaluates and saves where due."""
+        cfg, run = self.run_.cfg, self.run_
+        metrics = jax.device_get(metrics)
+        now = time.perf_counter()
+        seconds, self._last_read = now - self._last_read, now
+        loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
+        if not (
+            math.isfinite(loss)
+            and math.isfinite(float(metrics["total_loss"]))
+            and math.isfinite(grad_norm)
+        ):
+            raise TrainingDiverged(done, loss, grad_norm, self.checkpoints.latest_step())
+        if not first:
+            self._steady_tokens += run.tokens_per_step
+            self._steady_seconds += seconds
+        self.losses.append(loss)
+        record = run.record(done, metrics, seconds, now - self.started)
+        if state is not None and run.eval_set and (done % cfg.eval_every == 0 or done == stop):
+            self.eval_loss = run.evaluate(state)
+            record["eval_loss"] = self.eval_loss
+        self.logger.log(record)
+        if state is not None and cfg.save_every and done % cfg.save_every == 0:
+            self.saved = self.checkpoints.save(state)
+
+
+def _plan_line(trainer) -> str:
+    """The MoE implementation, the remat policy and the memory estimate of the step."""
+    cfg = trainer.train_cfg
+    remat = f"{trainer.remat!r}{' (auto)' if cfg.remat == 'auto' else ''}"
+    accum = f", {cfg.grad_accum} microbatches a step" if cfg.grad_accum > 1 else ""
+    estimate = trainer.memory_estimate().report(trainer.device_bytes)
+    return f"MoE {cfg.implementation!r}, remat {remat}{accum}; {estimate}"
+
+
+def _compile_line(times) -> str:
+    """How long the train step took to get ready, by stage."""
+    if times.lowered == "read":
+        lowered = f"lowered step read from the cache in {times.lower_s:.1f} s"
+    elif times.trace_s is None:
+        lowered = f"traced and lowered in {times.lower_s:.1f} s, kept in the cache"
+    else:
+        lowered = (
+            f"traced in {times.trace_s:.1f} s, lowered in {times.lower_s:.1f} s "
+            f"({times.lowered.removeprefix('traced ').strip('()')})"
+        )
+    return (
+        f"train step ready in {times.total_s:.1f} s: {lowered}, compiled in {times.compile_s:.1f} s"
     )
 
 
@@ -398,7 +467,8 @@ def check_determinism(model_cfg: ModelConfig, train_cfg: TrainConfig) -> Determi
         losses = []
         for step in range(train_cfg.steps):
             state, metrics = run.trainer.train_step(state, *run.batch(step))
-            losses.append(np.asarray(jax.device_get(metrics["loss"])))
+            losses.append(metrics["loss"])
+        losses = [np.asarray(loss) for loss in jax.device_get(losses)]
         results.append((losses, host_params(state.params)))
     (losses_a, params_a), (losses_b, params_b) = results
     differ = [

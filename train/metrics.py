@@ -14,9 +14,10 @@ writes these keys (the plots read them):
 Outputs under the run's folder:
   metrics.jsonl   one JSON object per line, flushed at every record; NaN and Inf are written as
                   null and their keys listed in the record's `nonfinite` field (JSON has no NaN).
-  tensorboard/    event files: each scalar as a scalar; a list of scalars as one scalar per index
-                  (`load_max_over_mean/0`); a list of lists (`expert_load`) as one histogram per
-                  outer index (`expert_load/0`: the distribution of the experts' shares).
+  tensorboard/    event files, when tensorboardX is installed: each scalar as a scalar; a list
+                  of scalars as one scalar per index (`load_max_over_mean/0`); a list of lists
+                  (`expert_load`) as one histogram per outer index (`expert_load/0`: the
+                  distribution of the experts' shares).
 """
 
 from __future__ import annotations
@@ -30,10 +31,15 @@ import sys
 import time
 import types
 import typing
+import warnings
 
 import numpy as np
-from tensorboardX import SummaryWriter
 from tqdm import tqdm
+
+try:  # Optional: without tensorboardX the run writes no event files (one warning says so).
+    from tensorboardX import SummaryWriter
+except ImportError:
+    SummaryWriter = None
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -170,14 +176,7 @@ class RunLogger:
         _atomic_write(self.metrics_path, "".join(json.dumps(r) + "\n" for r in kept))
         self._file = self.metrics_path.open("a", encoding="utf-8")
 
-        # Event file names hold the time in seconds and the host; the suffix keeps a quickly
-        # resumed run from overwriting the previous run's file.
-        self._writer = SummaryWriter(
-            str(self.workdir / TENSORBOARD_DIR),
-            purge_step=self.start_step + 1 if self.start_step > 0 else 0,
-            flush_secs=_TB_FLUSH_SECS,
-            filename_suffix=f".{os.getpid()}.{time.time_ns()}",
-        )
+        self._writer = self._tensorboard_writer()
         if progress:
             self._bar = tqdm(
                 total=self.total_steps,
@@ -213,7 +212,28 @@ class RunLogger:
         self._write_tensorboard(clean, step)
         self._update_bar(clean, step)
 
+    def _tensorboard_writer(self):
+        """The event-file writer, or None (with a warning) when tensorboardX is missing."""
+        if SummaryWriter is None:
+            warnings.warn(
+                "tensorboardX is not installed: no TensorBoard event files "
+                f"(metrics still go to {self.metrics_path}); pip install tensorboardX for them",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return None
+        # Event file names hold the time in seconds and the host; the suffix keeps a quickly
+        # resumed run from overwriting the previous run's file.
+        return SummaryWriter(
+            str(self.workdir / TENSORBOARD_DIR),
+            purge_step=self.start_step + 1 if self.start_step > 0 else 0,
+            flush_secs=_TB_FLUSH_SECS,
+            filename_suffix=f".{os.getpid()}.{time.time_ns()}",
+        )
+
     def _write_tensorboard(self, record: Record, step: int) -> None:
+        if self._writer is None:
+            return
         for key, value in record.items():
             if key == "step":
                 continue

@@ -5,6 +5,7 @@
   -> L blocks: x += attention(rmsnorm(x)); x += ffn(rmsnorm(x))
        attention: causal, rotary positions, `jax.nn.dot_product_attention`
        ffn: `mok_jax.MoE` in every `moe_every`-th block, a dense SwiGLU in the others
+       (stored stacked by group of `moe_every` blocks and applied by one `lax.scan`)
   -> rmsnorm -> output head (untied from the embedding)                          [B, S, V] f32
 
 Every variable carries its `out_sharding` (dense weights replicated; the MoE's experts over the
@@ -20,11 +21,11 @@ import re
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax import Array
+from jax import Array, lax
 
 import mok_jax
 from mok_jax import MoEAux
-from train.config import ModelConfig
+from train.config import REMATS, ModelConfig, Remat
 
 
 def _eager() -> bool:
@@ -88,8 +89,21 @@ class Attention(nnx.Module):
         # jax's XLA attention promotes bf16 logits to f32 implicitly (`promote_types`), which
         # strict dtype promotion (the test suite's) rejects: jax's promotion, scoped to it.
         with jax.numpy_dtype_promotion("standard"):
-            out_bsnh = jax.nn.dot_product_attention(q, k, qkv[2], is_causal=True)
+            out_bsnh = jax.nn.dot_product_attention(
+                q, k, qkv[2], is_causal=True, implementation=attention_impl(cfg)
+            )
         return jnp.einsum("bsnh,nhd->bsd", out_bsnh, self.w_out[...].astype(cfg.dtype))
+
+
+def attention_impl(cfg: ModelConfig) -> str:
+    """The attention implementation `cfg.attention` resolves to on the default backend:
+    "auto" is cuDNN's fused attention on a GPU for bf16/f16 heads of at most 128 (a multiple of
+    8), XLA's otherwise."""
+    if cfg.attention != "auto":
+        return cfg.attention
+    fits_cudnn = cfg.dtype.name in ("bfloat16", "float16") and cfg.head_dim <= 128
+    fits_cudnn = fits_cudnn and cfg.head_dim % 8 == 0
+    return "cudnn" if jax.default_backend() == "gpu" and fits_cudnn else "xla"
 
 
 class SwiGLU(nnx.Module):
@@ -110,29 +124,84 @@ class SwiGLU(nnx.Module):
 
 
 class Block(nnx.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then + ffn(norm(x)) (MoE or dense)."""
+    """Pre-norm transformer block: x + attn(norm(x)), then + ffn(norm(x)), the feed-forward an
+    MoE (`moe=True`, returning its `MoEAux` too) or a dense SwiGLU."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, moe: bool, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(cfg.d_model, dtype=cfg.dtype)
         self.attn = Attention(cfg, rngs=rngs)
         self.ffn_norm = RMSNorm(cfg.d_model, dtype=cfg.dtype)
-        self.is_moe = cfg.is_moe(layer)
-        if self.is_moe:
+        self.is_moe = moe
+        if moe:
             self.ffn = mok_jax.MoE(cfg.moe, rngs=rngs)
         else:
             self.ffn = SwiGLU(cfg.d_model, cfg.dense_width, dtype=cfg.dtype, rngs=rngs)
 
-    def __call__(self, x_bsd: Array) -> tuple[Array, MoEAux | None]:
-        x_bsd = x_bsd + self.attn(self.attn_norm(x_bsd))
-        h = self.ffn_norm(x_bsd)
-        if self.is_moe:
-            y, aux = self.ffn(h)
-            return x_bsd + y.astype(x_bsd.dtype), aux
-        return x_bsd + self.ffn(h), None
+    def __call__(self, x_bsd: Array, remat: Remat = "none") -> tuple[Array, MoEAux | None]:
+        with jax.named_scope("attention"):
+            x_bsd = x_bsd + _attention(self.attn_norm, self.attn, x_bsd, remat)
+        with jax.named_scope("moe" if self.is_moe else "dense_ffn"):
+            h = self.ffn_norm(x_bsd)
+            if self.is_moe:
+                y, aux = self.ffn(h)
+                return x_bsd + y.astype(x_bsd.dtype), aux
+            return x_bsd + self.ffn(h), None
+
+
+def _attention(norm: RMSNorm, attn: Attention, x_bsd: Array, remat: Remat) -> Array:
+    """attn(norm(x)); under remat "attention" only its input is kept for the backward."""
+    if remat != "attention":
+        return attn(norm(x_bsd))
+    return nnx.remat(lambda norm, attn, x: attn(norm(x)), prevent_cse=False)(norm, attn, x_bsd)
+
+
+class Group(nnx.Module):
+    """One repeat of the block pattern: `moe_every - 1` dense blocks, then an MoE block."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.dense = nnx.List([Block(cfg, moe=False, rngs=rngs) for _ in range(cfg.moe_every - 1)])
+        self.moe = Block(cfg, moe=True, rngs=rngs)
+
+    def __call__(self, x_bsd: Array, remat: Remat = "none") -> tuple[Array, MoEAux]:
+        for block in self.dense:
+            x_bsd, _ = block(x_bsd, remat)
+        return self.moe(x_bsd, remat)
+
+
+def _stacked(make, count: int, rngs: nnx.Rngs):
+    """`count` modules `make(rngs)`, each from its own split of the keys, as one module whose
+    variables have a leading [count] axis (replicated over the mesh)."""
+
+    @nnx.split_rngs(splits=count)
+    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
+    def build(rngs: nnx.Rngs):
+        return make(rngs)
+
+    return build(rngs)
+
+
+def scan_groups(groups: Group, x_bsd: Array, remat: Remat) -> tuple[Array, MoEAux]:
+    """Applies the stacked groups in order with one `lax.scan`: the group (and the MoE layer's
+    kernels in it) is traced, lowered and compiled once, however many there are. Returns the
+    last group's output and the MoE blocks' `MoEAux`, each field with a leading [G] axis."""
+    graphdef, state = nnx.split(groups)
+
+    def body(x, group_state):
+        return nnx.merge(graphdef, group_state)(x, remat)
+
+    if remat == "block":
+        body = jax.checkpoint(body, prevent_cse=False)
+    return lax.scan(body, x_bsd, state)
 
 
 class LanguageModel(nnx.Module):
     """The byte-level MoE language model.
+
+    The blocks repeat a pattern of `moe_every` blocks (`Group`: dense blocks, then an MoE
+    block); the G = n_layers // moe_every groups are stored stacked (every variable of
+    `groups` has a leading [G] axis) and applied by `scan_groups`, so each kind of block is
+    traced and compiled once. Blocks left over when `moe_every` does not divide `n_layers`
+    are dense and follow the groups (`tail`).
 
     Args:
       cfg: the `ModelConfig`.
@@ -140,37 +209,41 @@ class LanguageModel(nnx.Module):
 
     Example:
       >>> model = LanguageModel(PRESETS["tiny"].model, rngs=nnx.Rngs(0))
-      >>> logits, auxes = model(jnp.zeros((2, 16), jnp.int32))
-      >>> logits.shape, len(auxes)
-      ((2, 16, 256), 2)
+      >>> logits, aux = model(jnp.zeros((2, 16), jnp.int32))
+      >>> logits.shape, aux.tokens_per_expert.shape
+      ((2, 16, 256), (2, 8))
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), fan_in=1)
-        self.blocks = nnx.List([Block(cfg, l, rngs=rngs) for l in range(cfg.n_layers)])
+        self.groups = _stacked(lambda r: Group(cfg, rngs=r), cfg.num_moe_layers, rngs)
+        tail = cfg.n_layers - cfg.num_moe_layers * cfg.moe_every
+        self.tail = nnx.List([Block(cfg, moe=False, rngs=rngs) for _ in range(tail)])
         self.final_norm = RMSNorm(cfg.d_model, dtype=cfg.dtype)
         self.head = _param(rngs, (cfg.d_model, cfg.vocab_size))
 
-    def __call__(self, tokens_bs: Array) -> tuple[Array, tuple[MoEAux, ...]]:
-        """tokens int32 [B, S] -> (logits f32 [B, S, V], one `MoEAux` per MoE block)."""
+    def __call__(self, tokens_bs: Array, remat: Remat = "none") -> tuple[Array, MoEAux]:
+        """tokens int32 [B, S] -> (logits f32 [B, S, V], the MoE blocks' `MoEAux` with a
+        leading [G] axis on every field). `remat` is the rematerialization policy of the
+        backward (see `Remat`); it changes memory and time, not values."""
         cfg = self.cfg
         if tokens_bs.ndim != 2 or not jnp.issubdtype(tokens_bs.dtype, jnp.integer):
             raise ValueError(f"tokens must be int [B, S], got {tokens_bs.dtype}{tokens_bs.shape}")
         if tokens_bs.shape[1] > cfg.max_seq_len:
             raise ValueError(f"S={tokens_bs.shape[1]} > max_seq_len={cfg.max_seq_len}")
+        if remat not in REMATS:
+            raise ValueError(f"remat={remat!r} must be one of {REMATS}")
         onehot_bsv = jax.nn.one_hot(tokens_bs, cfg.vocab_size, dtype=cfg.dtype)
         x_bsd = onehot_bsv @ self.embed[...].astype(cfg.dtype)
-        auxes = []
-        for block in self.blocks:
-            x_bsd, aux = block(x_bsd)
-            if aux is not None:
-                auxes.append(aux)
+        x_bsd, aux = scan_groups(self.groups, x_bsd, remat)
+        for block in self.tail:
+            x_bsd, _ = block(x_bsd, remat)
         x_bsd = self.final_norm(x_bsd)
         logits_bsv = jnp.dot(
             x_bsd.astype(jnp.float32), self.head[...], preferred_element_type=jnp.float32
         )
-        return logits_bsv, tuple(auxes)
+        return logits_bsv, aux
 
 
 def cross_entropy(logits_bsv: Array, targets_bs: Array) -> Array:

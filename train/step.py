@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib.util
 from typing import Any
 
 import chex
@@ -22,12 +23,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax import Array
+from jax import Array, lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import mok_jax
-from train.config import ModelConfig, TrainConfig
+from train import compile_cache, memory
+from train.compile_cache import CompileTimes
+from train.config import REMATS, ModelConfig, TrainConfig
 from train.model import LanguageModel, cross_entropy
+
+# The train step's metrics (see `Trainer.train_step`).
+METRIC_KEYS = ("dropped", "grad_norm", "loss", "lr", "rounds", "tokens_per_expert", "total_loss")
 
 # The batch's sharding: sequences over every device of the mesh.
 BATCH_SPEC = PartitionSpec(("data", "expert"), None)
@@ -110,6 +116,13 @@ class Trainer:
       mesh: the (data, expert) mesh (see `make_train_mesh`), or None for one device without a
         mesh (any MoE implementation).
       max_traces: if set, the train step raises when traced more often (`chex.assert_max_traces`).
+      check_memory: estimate the step's memory before compiling (`train.memory`) and raise
+        `memory.DoesNotFit`, naming the flags that would make it fit, when it exceeds the
+        device's (where the device says how much it has).
+
+    Attributes:
+      remat: the rematerialization policy the step runs under (`train_cfg.remat`, with "auto"
+        resolved by the memory estimate).
     """
 
     def __init__(
@@ -119,6 +132,7 @@ class Trainer:
         mesh: Mesh | None,
         *,
         max_traces: int | None = None,
+        check_memory: bool = True,
     ):
         moe_cfg = dataclasses.replace(model_cfg.moe, implementation=train_cfg.implementation)
         self.model_cfg = dataclasses.replace(model_cfg, moe=moe_cfg)
@@ -139,10 +153,14 @@ class Trainer:
                 lambda a: NamedSharding(mesh, _spec(a)), self.abstract_state
             )
             self.batch_sharding = NamedSharding(mesh, BATCH_SPEC)
+        self.device_bytes = memory.device_memory(self.devices[0])
+        self.remat = self._choose_remat(check_memory)
+        self._run = self._compiled = None
         self._init_jit = jax.jit(self._init, out_shardings=self.state_shardings)
         step_fn = self._train_step
         if max_traces is not None:
             step_fn = chex.assert_max_traces(step_fn, n=max_traces)
+        self._step_fn = step_fn
         options = mok_jax.compiler_options()
         if mesh is None:
             self._step = jax.jit(step_fn, donate_argnums=0, compiler_options=options)
@@ -185,6 +203,45 @@ class Trainer:
             raise ValueError(
                 f"batch_size={cfg.batch_size} must be divisible by the {devices} devices"
             )
+        if cfg.batch_size % (devices * cfg.grad_accum):
+            raise ValueError(
+                f"batch_size={cfg.batch_size} must be divisible by the {devices} devices times "
+                f"grad_accum={cfg.grad_accum} (every microbatch spreads over every device)"
+            )
+
+    @property
+    def devices(self) -> list[jax.Device]:
+        """The step's devices (the mesh's, or the default device)."""
+        return [jax.devices()[0]] if self.mesh is None else list(self.mesh.devices.flat)
+
+    def memory_estimate(self, remat: str | None = None) -> memory.MemoryEstimate:
+        """The step's estimated memory on one device under `remat` (default: the step's)."""
+        return memory.estimate_memory(
+            self.model_cfg,
+            self.train_cfg,
+            self.abstract_state,
+            self.mesh,
+            self.remat if remat is None else remat,
+        )
+
+    def _choose_remat(self, check_memory: bool) -> str:
+        """`train_cfg.remat`, "auto" resolved: the least recomputation whose estimate fits
+        ("none" where the device does not say its memory); raises `memory.DoesNotFit` when
+        `check_memory` and the chosen policy does not fit."""
+        choice, device_bytes = self.train_cfg.remat, self.device_bytes
+        if choice == "auto":
+            if device_bytes is None:
+                return "none"
+            estimates = {r: self.memory_estimate(r) for r in REMATS}
+            choice = memory.choose_remat(estimates, device_bytes)
+        if check_memory and device_bytes is not None:
+            estimate = self.memory_estimate(choice)
+            if not estimate.fits(device_bytes):
+                advice = memory.fit_advice(
+                    self.model_cfg, self.train_cfg, self.abstract_state, self.mesh, device_bytes
+                )
+                memory.check_fits(estimate, device_bytes, advice)
+        return choice
 
     @contextlib.contextmanager
     def context(self):
@@ -219,18 +276,54 @@ class Trainer:
 
     # -- steps -------------------------------------------------------------------------------
 
-    def _losses(self, params, model_state, inputs, targets):
-        logits, auxes = nnx.merge(self.graphdef, params, model_state)(inputs)
+    def _losses(self, params, model_state, inputs, targets, remat="none"):
+        logits, aux = nnx.merge(self.graphdef, params, model_state)(inputs, remat)
         lm_loss = cross_entropy(logits, targets)
-        total = lm_loss + sum((aux.loss for aux in auxes), jnp.zeros((), jnp.float32))
-        return total, (lm_loss, auxes)
+        return lm_loss + jnp.sum(aux.loss), (lm_loss, aux)
+
+    def _gradients(self, state: TrainState, inputs: Array, targets: Array):
+        """((total, (lm_loss, aux)), grads) of the batch, over `grad_accum` microbatches: each
+        microbatch's gradients in f32, summed in microbatch order and averaged (a fixed order,
+        so the same bits run after run); the losses averaged, the expert loads summed."""
+        grad_fn = jax.value_and_grad(self._losses, has_aux=True)
+        remat = self.remat
+        accum = self.train_cfg.grad_accum
+        if accum == 1:
+            return grad_fn(state.params, state.model_state, inputs, targets, remat)
+        micro_inputs, micro_targets = (self._microbatches(a, accum) for a in (inputs, targets))
+
+        def step(grads_acc, batch):
+            out, grads = grad_fn(state.params, state.model_state, *batch, remat)
+            grads_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_acc, grads)
+            return grads_acc, out
+
+        zeros = jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32), state.params)
+        grads, (total, (lm_loss, aux)) = lax.scan(step, zeros, (micro_inputs, micro_targets))
+        grads = jax.tree.map(lambda g, p: (g / accum).astype(p.dtype), grads, state.params)
+        aux = dataclasses.replace(
+            jax.tree.map(lambda a: jnp.mean(a, axis=0), aux),
+            tokens_per_expert=jnp.sum(aux.tokens_per_expert, axis=0),
+            dropped=jnp.sum(aux.dropped, axis=0),
+            rounds=jnp.max(aux.rounds, axis=0),
+        )
+        return (jnp.mean(total), (jnp.mean(lm_loss), aux)), grads
+
+    def _microbatches(self, a: Array, accum: int) -> Array:
+        """[B, S] -> [accum, B / accum, S]: microbatch i holds rows i, i + accum, ..., so each
+        spreads over every device as the batch does."""
+        rows, seq = a.shape
+        shape = (rows // accum, accum, seq)
+        if self.mesh is None:
+            return jnp.swapaxes(a.reshape(shape), 0, 1)
+        spec = PartitionSpec(BATCH_SPEC[0], None, None)
+        split = lax.reshape(a, shape, out_sharding=NamedSharding(self.mesh, spec))
+        return jnp.swapaxes(split, 0, 1)
 
     def _train_step(self, state: TrainState, inputs: Array, targets: Array):
-        grad_fn = jax.value_and_grad(self._losses, has_aux=True)
-        (total, (lm_loss, auxes)), grads = grad_fn(state.params, state.model_state, inputs, targets)
+        (total, (lm_loss, aux)), grads = self._gradients(state, inputs, targets)
         # optax computes Adam's bias correction as `decay**count` (float ** int32), which strict
         # dtype promotion (the test suite's) rejects: optax's promotion, scoped to it.
-        with jax.numpy_dtype_promotion("standard"):
+        with jax.numpy_dtype_promotion("standard"), jax.named_scope("optimizer"):
             updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
             lr = jnp.asarray(self.schedule(state.step), jnp.float32)
         params = optax.apply_updates(state.params, updates)
@@ -238,18 +331,18 @@ class Trainer:
         rate = self.train_cfg.router_bias_rate
         if rate > 0:
             model = nnx.merge(self.graphdef, params, model_state)
-            moe_blocks = [b.ffn for b in model.blocks if b.is_moe]
-            for layer, aux in zip(moe_blocks, auxes, strict=True):
-                layer.update_router_bias(aux.tokens_per_expert, rate=rate)
+            moe = model.groups.moe.ffn
+            update = jax.vmap(mok_jax.update_router_bias, in_axes=(0, 0, None))
+            moe.router_bias[...] = update(moe.router_bias[...], aux.tokens_per_expert, rate)
             model_state = nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param)))
         metrics = {
             "loss": lm_loss,
             "total_loss": total,
             "grad_norm": optax.tree.norm(grads),
             "lr": lr,
-            "tokens_per_expert": jnp.stack([aux.tokens_per_expert for aux in auxes]),
-            "dropped": sum((aux.dropped for aux in auxes), jnp.zeros((), jnp.int32)),
-            "rounds": jnp.stack([aux.rounds for aux in auxes]),
+            "tokens_per_expert": aux.tokens_per_expert,
+            "dropped": jnp.sum(aux.dropped),
+            "rounds": aux.rounds,
         }
         new_state = TrainState(
             step=state.step + 1, params=params, model_state=model_state, opt_state=opt_state
@@ -266,15 +359,98 @@ class Trainer:
             return jnp.asarray(local)
         return jax.make_array_from_process_local_data(self.batch_sharding, local)
 
+    def compile(self) -> CompileTimes:
+        """Gets the train step ready for the run's batch shape without running it (trace,
+        lower, compile, through `train.compile_cache` when it is on) and keeps it for
+        `train_step`; returns the seconds each stage took."""
+        args = self._abstract_args()
+        out_tree = jax.tree.structure((args[0], dict.fromkeys(METRIC_KEYS, 0)))
+        out_shardings = None
+        if self.mesh is not None:
+            replicated = NamedSharding(self.mesh, PartitionSpec())
+            out_shardings = (self.state_shardings, dict.fromkeys(METRIC_KEYS, replicated))
+        with self.context():
+            self._run, self._compiled, times = compile_cache.compile_step(
+                self._step,
+                self._step_fn,
+                args,
+                out_tree,
+                out_shardings,
+                donate_argnums=(0,),
+                compiler_options=mok_jax.compiler_options(),
+                key=self._step_key(args),
+                exportable=self._why_not_exportable(),
+            )
+        return times
+
+    def _abstract_args(self) -> tuple:
+        """(state, inputs, targets) of the step as ShapeDtypeStructs with their shardings."""
+        cfg = self.train_cfg
+        batch = jax.ShapeDtypeStruct(
+            (cfg.batch_size, cfg.seq_len), jnp.int32, sharding=self.batch_sharding
+        )
+        state = self.abstract_state
+        if self.state_shardings is not None:
+            state = jax.tree.map(
+                lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                state,
+                self.state_shardings,
+            )
+        return state, batch, batch
+
+    def _step_key(self, args: tuple) -> compile_cache.StepKey:
+        """What the lowered step depends on, besides the sources and package versions."""
+        mesh = self.mesh
+        return compile_cache.StepKey(
+            {
+                "model": self.model_cfg.to_json(),
+                "train": dataclasses.asdict(self.train_cfg),
+                "remat": self.remat,
+                "devices": [(d.id, d.device_kind) for d in self.devices],
+                "mesh": None if mesh is None else [mesh.axis_names, list(mesh.shape.values())],
+                "args": [(a.shape, str(a.dtype), str(a.sharding)) for a in jax.tree.leaves(args)],
+                "options": mok_jax.compiler_options(),
+            }
+        )
+
+    def _why_not_exportable(self) -> str | None:
+        """Why the step cannot be kept as a lowered program (None: it can)."""
+        if jax.process_count() > 1:
+            return "one lowered step per process"
+        if importlib.util.find_spec("flatbuffers") is None:
+            return "flatbuffers, which jax.export's serialization needs, is not installed"
+        kernels = self.model_cfg.moe.implementation in ("pallas", "fused")
+        if kernels and jax.default_backend() == "cpu":
+            return "the kernels' interpret mode calls back to Python"
+        return None
+
+    @property
+    def compiled(self) -> bool:
+        """Whether `compile` has run (the step's executable is kept)."""
+        return self._compiled is not None
+
+    def compiled_memory(self) -> dict[str, int] | None:
+        """XLA's memory analysis of the compiled step (bytes of arguments, outputs,
+        temporaries; None before `compile` or where the backend gives none)."""
+        if self._compiled is None:
+            return None
+        analysis = self._compiled.memory_analysis()
+        if analysis is None:
+            return None
+        names = ("argument", "output", "temp", "alias", "generated_code")
+        return {n: int(getattr(analysis, f"{n}_size_in_bytes", 0)) for n in names}
+
     def train_step(
         self, state: TrainState, inputs: Array, targets: Array
     ) -> tuple[TrainState, dict[str, Array]]:
         """One update: (state, inputs int32 [B, S], targets int32 [B, S]) -> (new state,
-        metrics). `state` is donated: do not use it afterwards. Metrics: loss (LM
-        cross-entropy), total_loss (plus the MoE aux and z losses), grad_norm (before
-        clipping), lr, tokens_per_expert int32 [MoE layers, E], dropped, rounds [MoE layers]."""
+        metrics), dispatched without waiting for the device. `state` is donated: do not use it
+        afterwards. Metrics: loss (LM cross-entropy), total_loss (plus the MoE aux and z
+        losses), grad_norm (before clipping), lr, tokens_per_expert int32 [MoE layers, E],
+        dropped, rounds [MoE layers]."""
         with self.context():
-            return self._step(state, inputs, targets)
+            step = self._step if self._run is None else self._run
+            return step(state, inputs, targets)
 
     def eval_loss(self, state: TrainState, inputs: Array, targets: Array) -> Array:
         """The LM cross-entropy of one batch (f32 [])."""

@@ -89,10 +89,30 @@ def test_smoke_run_and_sample(tmp_path):
     assert "step 3 of" in sampled.stdout and "--- prompt 'ab'" in sampled.stdout
 
 
+@pytest.mark.slow
+def test_second_run_reads_the_lowered_step_from_the_cache(tmp_path):
+    """Two runs of the same step with one cache folder: the first traces, lowers and keeps the
+    step, the second reads it back instead; both train to the same losses, bit for bit."""
+    cache = ["--cache-dir", str(tmp_path / "cache"), "--steps", "2", "--no-sample"]
+    runs = [_train(*SMALL, *cache, "--workdir", str(tmp_path / name)) for name in ("a", "b")]
+    for out in runs:
+        assert out.returncode == 0, out.stderr[-3000:]
+    ready = [
+        next(line for line in out.stdout.splitlines() if "train step ready" in line) for out in runs
+    ]
+    assert "kept in the cache" in ready[0], ready[0]
+    assert "lowered step read from the cache" in ready[1], ready[1]
+    losses = [[r["loss"] for r in read_metrics(tmp_path / name / "metrics.jsonl")] for name in "ab"]
+    assert losses[0] == losses[1]
+    assert list((tmp_path / "cache" / "steps").glob("*.jax_exported"))
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         (["--bogus"], "unrecognized arguments: --bogus"),
+        (["--remat", "some"], "invalid choice: 'some'"),
+        (["--grad-accum", "3"], "batch_size=16 must be divisible by grad_accum=3"),
         (["--preset", "huge"], "invalid choice: 'huge'"),
         (["--steps", "0"], "steps=0 must be >= 1"),
         (["--lr", "nan"], "peak_lr=nan must be finite"),
@@ -122,6 +142,9 @@ def test_help_lists_the_flags():
         "--devices",
         "--check-determinism",
         "--coordinator",
+        "--remat",
+        "--grad-accum",
+        "--cache-dir",
     ):
         assert flag in out.stdout
 

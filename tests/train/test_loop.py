@@ -4,6 +4,8 @@ NaN stops with a clear error and keeps the last good checkpoint, --check-determi
 from __future__ import annotations
 
 import dataclasses
+import json
+import pathlib
 import shutil
 
 import jax
@@ -111,3 +113,18 @@ def test_check_determinism(tmp_path):
     report = check_determinism(MICRO_MODEL, micro_train(tmp_path, steps=3))
     assert report.equal, report
     assert report.first_difference is None and len(report.losses[0]) == 3
+
+
+def test_per_block_checkpoint_is_converted(tmp_path):
+    """A checkpoint written when the model kept one entry per block (params["blocks"][l]; the
+    fixture: step 2 of the micro model on 8 devices, with that run's losses of steps 1-3)
+    resumes into the stacked layout: step 3's loss is that run's step 3, and `sample` reads it."""
+    fixture = pathlib.Path(__file__).parent / "data" / "per_block_checkpoint"
+    shutil.copytree(fixture, tmp_path, dirs_exist_ok=True)
+    old_losses = json.loads((fixture / "losses.json").read_text())["losses"]
+    _, resumed = _run(tmp_path, steps=3, devices=8, save_every=2, resume=True)
+    assert resumed.start_step == 2
+    np.testing.assert_allclose(resumed.losses, old_losses[2:], rtol=1e-5)
+    checkpoints = Checkpoints(tmp_path)
+    assert checkpoints.manager.all_steps() == [2, 3]
+    checkpoints.close()

@@ -208,3 +208,16 @@ def test_bad_records_and_arguments(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"step": 1, "loss": 1}\nnot json\n')
     with pytest.raises(ValueError, match=r"bad.jsonl' line 2 is not valid JSON"):
         M.read_metrics(tmp_path / "bad.jsonl")
+
+
+def test_without_tensorboardx_one_warning_and_the_json_lines(tmp_path, monkeypatch):
+    """Where tensorboardX is not installed the run still logs its JSON lines, writes no event
+    files and says so once."""
+    monkeypatch.setattr(M, "SummaryWriter", None)
+    with pytest.warns(RuntimeWarning, match="tensorboardX is not installed"):
+        logger = M.RunLogger(tmp_path, total_steps=2, progress=False)
+    with logger:
+        logger.log({"step": 1, "loss": 5.0, "expert_load": [[0.5, 0.5]]})
+        logger.log({"step": 2, "loss": 4.0})
+    assert [r["loss"] for r in M.read_metrics(tmp_path / "metrics.jsonl")] == [5.0, 4.0]
+    assert not (tmp_path / "tensorboard").exists()

@@ -44,19 +44,64 @@ def _forward(model: LanguageModel, tokens):
 
 
 def test_shapes_and_blocks(model):
-    logits, auxes = _forward(model, _tokens((2, 16)))
+    logits, aux = _forward(model, _tokens((2, 16)))
     chex.assert_shape(logits, (2, 16, 256))
     assert logits.dtype == jnp.float32
-    # moe_every=2: block 0 dense, block 1 MoE.
-    assert [b.is_moe for b in model.blocks] == [False, True]
-    assert len(auxes) == 1
-    assert int(auxes[0].tokens_per_expert.sum()) == 2 * 16 * MICRO_MODEL.moe.top_k
+    # moe_every=2: one group of a dense block, then an MoE block, stacked over G = 1.
+    assert len(model.groups.dense) == 1 and not model.groups.dense[0].is_moe
+    assert model.groups.moe.is_moe and len(model.tail) == 0
+    chex.assert_shape(aux.tokens_per_expert, (1, MICRO_MODEL.moe.num_experts))
+    assert int(aux.tokens_per_expert.sum()) == 2 * 16 * MICRO_MODEL.moe.top_k
 
 
 def test_every_block_moe():
     cfg = dataclasses.replace(MICRO_MODEL, moe_every=1)
-    _, auxes = _forward(LanguageModel(cfg, rngs=nnx.Rngs(0)), _tokens((1, 8)))
-    assert len(auxes) == cfg.n_layers == cfg.num_moe_layers
+    _, aux = _forward(LanguageModel(cfg, rngs=nnx.Rngs(0)), _tokens((1, 8)))
+    assert aux.tokens_per_expert.shape[0] == cfg.n_layers == cfg.num_moe_layers
+
+
+def test_stacked_groups_and_a_dense_tail():
+    """5 blocks with an MoE every 2nd: 2 groups (dense, MoE) stacked on a leading axis of 2,
+    then one dense block; each stacked group holds its own weights."""
+    cfg = dataclasses.replace(MICRO_MODEL, n_layers=5)
+    model = LanguageModel(cfg, rngs=nnx.Rngs(0))
+    w_gate = model.groups.moe.ffn.w_gate[...]
+    chex.assert_shape(w_gate, (2, 8, 32, 32))
+    assert not np.array_equal(w_gate[0], w_gate[1])
+    assert len(model.tail) == 1 and not model.tail[0].is_moe
+    _, aux = _forward(model, _tokens((1, 8)))
+    chex.assert_shape(aux.rounds, (2,))
+
+
+def test_scan_equals_the_blocks_one_by_one():
+    """The scan over the stacked groups computes what applying each group in turn computes,
+    bit for bit on the forward, and every remat policy gives the same loss and gradients."""
+    cfg = dataclasses.replace(MICRO_MODEL, n_layers=4)
+    model = LanguageModel(cfg, rngs=nnx.Rngs(0))
+    tokens = _tokens((2, 16), seed=1)
+    graphdef, state = nnx.split(model.groups)
+
+    def by_hand(model, tokens):
+        x = jax.nn.one_hot(tokens, 256, dtype=cfg.dtype) @ model.embed[...].astype(cfg.dtype)
+        for g in range(cfg.num_moe_layers):
+            group = nnx.merge(graphdef, jax.tree.map(lambda a, g=g: a[g], state))
+            x, _ = group(x)
+        x = model.final_norm(x)
+        return jnp.dot(x.astype(jnp.float32), model.head[...])
+
+    scanned, _ = _forward(model, tokens)
+    np.testing.assert_array_equal(scanned, jax.jit(by_hand)(model, tokens))
+
+    def loss(model, remat):
+        logits, aux = model(tokens[:, :-1], remat)
+        return cross_entropy(logits, tokens[:, 1:]) + jnp.sum(aux.loss)
+
+    results = {
+        remat: nnx.jit(nnx.value_and_grad(loss), static_argnums=1)(model, remat)
+        for remat in ("none", "attention", "block")
+    }
+    for remat in ("attention", "block"):
+        chex.assert_trees_all_close(results[remat], results["none"], rtol=1e-6, atol=1e-7)
 
 
 def test_causal(model):
@@ -89,8 +134,8 @@ def _loss_and_grad_norm(cfg: ModelConfig, tokens):
     model = LanguageModel(cfg, rngs=nnx.Rngs(0))
 
     def loss(model):
-        logits, auxes = model(tokens[:, :-1])
-        return cross_entropy(logits, tokens[:, 1:]) + sum(a.loss for a in auxes)
+        logits, aux = model(tokens[:, :-1])
+        return cross_entropy(logits, tokens[:, 1:]) + jnp.sum(aux.loss)
 
     return nnx.jit(nnx.value_and_grad(loss))(model)
 
@@ -184,8 +229,6 @@ def test_larger_presets_trace(name):
     """The larger presets build and run forward abstractly (shapes and dtypes, no compute)."""
     cfg = PRESETS[name].model
     model = nnx.eval_shape(lambda: LanguageModel(cfg, rngs=nnx.Rngs(0)))
-    logits, auxes = nnx.eval_shape(
-        lambda m, t: m(t), model, jax.ShapeDtypeStruct((2, 64), jnp.int32)
-    )
+    logits, aux = nnx.eval_shape(lambda m, t: m(t), model, jax.ShapeDtypeStruct((2, 64), jnp.int32))
     assert logits.shape == (2, 64, 256) and logits.dtype == jnp.float32
-    assert len(auxes) == cfg.num_moe_layers
+    assert aux.tokens_per_expert.shape == (cfg.num_moe_layers, cfg.moe.num_experts)

@@ -1,0 +1,152 @@
+"""Where the training step's time goes on the GPU: kernel time per part of the model.
+
+    XLA_FLAGS=--xla_gpu_enable_command_buffer= PYTHONPATH=. python3 -m bench.train_profile \
+        --out DIR [--preset gpu] [--implementation fused] [--iters 3] [--batch-size N]
+
+Compiles the preset's train step (one device, no mesh), runs it a few times, then records
+`iters` steps under jax.profiler and charges each GPU kernel to the part of the model its HLO
+instruction came from, by the named scopes in its op_name: `optimizer`, `attention`,
+`dense_ffn`, the MoE layer's stages (`moe/route`, `moe/experts`, ...), and `other` (the
+embedding, the head and the loss, the scan's copies). Writes DIR/train_profile.json and
+DIR/train_profile.md: per part, milliseconds of kernels per step and kernels per step, the
+top kernels, and the step's wall time beside the sum of its kernels (the gap is the device
+idle: launches, host work). XLA runs most kernels inside command buffers (CUDA graphs), which
+the profile sees as one unnamed event; the XLA flag above turns them off so that each kernel
+is named (at the cost of its launch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import pathlib
+import re
+import tempfile
+import time
+
+import jax
+import numpy as np
+
+from bench.layer_profile import STAGES, _device_events, op_of_instructions
+from train import data as data_lib
+from train.config import PRESETS
+from train.step import Trainer
+
+_MOE_STAGE = re.compile(r"\b(" + "|".join(STAGES) + r")\b")
+
+
+def part_of(op_name: str) -> str:
+    """The model part an HLO instruction's op_name names (the backward's read
+    transpose(jvp(...)) around the same scopes)."""
+    for scope in ("optimizer", "attention", "dense_ffn"):
+        if re.search(rf"\b{scope}\b", op_name):
+            return scope
+    if re.search(r"\bmoe\b", op_name):
+        stage = _MOE_STAGE.search(op_name)
+        return f"moe/{stage.group(1) if stage else 'other'}"
+    return "other"
+
+
+def profile(trainer: Trainer, iters: int, warmup: int = 3) -> dict:
+    """Kernel time per part of `iters` steps of `trainer`'s step (after `warmup` steps)."""
+    cfg = trainer.train_cfg
+    args = trainer._abstract_args()
+    with trainer.context():
+        compiled = trainer._step.lower(*args).compile()
+    hlo = compiled.as_text()
+    module = re.search(r"^HloModule ([\w.\-]+)", hlo, re.MULTILINE).group(1)
+    ops = op_of_instructions(hlo, chars=400)
+    tokens = data_lib.load_bytes("synthetic")
+    state = trainer.init_state()
+    x, y = (
+        trainer.place_batch(a)
+        for a in data_lib.batch_at(
+            tokens, 0, batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=0
+        )
+    )
+    for _ in range(warmup):
+        state, metrics = compiled(state, x, y)
+    jax.block_until_ready(metrics)
+    with tempfile.TemporaryDirectory() as trace_dir:
+        started = time.perf_counter()
+        with jax.profiler.trace(trace_dir):
+            for _ in range(iters):
+                state, metrics = compiled(state, x, y)
+            jax.block_until_ready(metrics)
+        wall_ms = (time.perf_counter() - started) * 1e3 / iters
+        (path,) = pathlib.Path(trace_dir).rglob("*.xplane.pb")
+        events = _device_events(str(path), module)
+    by_part = collections.defaultdict(lambda: [0.0, 0])
+    by_kernel = collections.defaultdict(lambda: [0.0, 0, ""])
+    for name, _, duration_ns in events:
+        part = part_of(ops.get(name, ""))
+        by_part[part][0] += duration_ns / 1e6 / iters
+        by_part[part][1] += 1 / iters
+        kernel = by_kernel[name]
+        kernel[0] += duration_ns / 1e6 / iters
+        kernel[1] += 1 / iters
+        kernel[2] = part
+    top = sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:25]
+    return {
+        "wall_ms_per_step": wall_ms,
+        "kernel_ms_per_step": sum(v[0] for v in by_part.values()),
+        "parts": {k: {"ms": v[0], "kernels": v[1]} for k, v in sorted(by_part.items())},
+        "top": [
+            {"kernel": k, "ms": v[0], "count": v[1], "part": v[2], "op": ops.get(k, "")[-160:]}
+            for k, v in top
+        ],
+    }
+
+
+def render(result: dict) -> str:
+    lines = [
+        f"step wall {result['wall_ms_per_step']:.1f} ms, kernels "
+        f"{result['kernel_ms_per_step']:.1f} ms",
+        "",
+        "| part | ms / step | share of kernels | kernels / step |",
+        "| --- | --- | --- | --- |",
+    ]
+    total = result["kernel_ms_per_step"] or 1.0
+    for part, v in sorted(result["parts"].items(), key=lambda kv: -kv[1]["ms"]):
+        lines.append(f"| {part} | {v['ms']:.2f} | {v['ms'] / total:.1%} | {v['kernels']:.0f} |")
+    lines += ["", "| top kernel | part | ms / step | count | op |", "| --- | --- | --- | --- | --- |"]
+    for k in result["top"]:
+        op = k["op"].replace("|", "/")[-90:]
+        lines.append(f"| {k['kernel']} | {k['part']} | {k['ms']:.2f} | {k['count']:.0f} | {op} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=pathlib.Path, required=True)
+    p.add_argument("--preset", default="gpu", choices=sorted(PRESETS))
+    p.add_argument("--implementation", default=None)
+    p.add_argument("--batch-size", type=int)
+    p.add_argument("--iters", type=int, default=3)
+    args = p.parse_args(argv)
+    preset = PRESETS[args.preset]
+    changes = {"implementation": args.implementation, "batch_size": args.batch_size}
+    train_cfg = dataclasses.replace(
+        preset.train, **{k: v for k, v in changes.items() if v is not None}
+    )
+    trainer = Trainer(preset.model, train_cfg, None)
+    result = profile(trainer, args.iters)
+    result |= {
+        "device": jax.devices()[0].device_kind,
+        "preset": args.preset,
+        "implementation": train_cfg.implementation,
+        "batch_size": train_cfg.batch_size,
+        "remat": trainer.remat,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "train_profile.json").write_text(json.dumps(result, indent=1) + "\n")
+    text = render(result)
+    (args.out / "train_profile.md").write_text(text + "\n")
+    print(text)
+    print("kernels / step:", int(np.round(sum(v["kernels"] for v in result["parts"].values()))))
+
+
+if __name__ == "__main__":
+    main()
