@@ -404,7 +404,11 @@ class Trainer:
         return compile_cache.StepKey(
             {
                 "model": self.model_cfg.to_json(),
-                "train": dataclasses.asdict(self.train_cfg),
+                "train": {
+                    k: v
+                    for k, v in dataclasses.asdict(self.train_cfg).items()
+                    if k not in (*_RUN_ONLY_FIELDS, "seed")
+                },
                 "remat": self.remat,
                 "devices": [(d.id, d.device_kind) for d in self.devices],
                 "mesh": None if mesh is None else [mesh.axis_names, list(mesh.shape.values())],
