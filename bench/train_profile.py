@@ -111,7 +111,7 @@ def render(result: dict) -> str:
     total = result["kernel_ms_per_step"] or 1.0
     for part, v in sorted(result["parts"].items(), key=lambda kv: -kv[1]["ms"]):
         lines.append(f"| {part} | {v['ms']:.2f} | {v['ms'] / total:.1%} | {v['kernels']:.0f} |")
-    lines += ["", "| top kernel | part | ms / step | count | op |", "| --- | --- | --- | --- | --- |"]
+    lines += ["", "| top kernel | part | ms / step | count | op |", "|---|---|---|---|---|"]
     for k in result["top"]:
         op = k["op"].replace("|", "/")[-90:]
         lines.append(f"| {k['kernel']} | {k['part']} | {k['ms']:.2f} | {k['count']:.0f} | {op} |")
