@@ -318,6 +318,10 @@ def _done_line(summary) -> str:
             f"{summary.workdir}"
         )
     rate = f"{summary.tokens_per_s:,.0f}" if summary.tokens_per_s else "n/a"
+    if summary.mfu is not None:
+        rate += f" (MFU {summary.mfu:.1%})"
+    if summary.peak_memory_bytes is not None:
+        rate += f", peak memory {summary.peak_memory_bytes / 2**30:.1f} GiB"
     eval_text = f"{summary.final_eval_loss:.4f}" if summary.final_eval_loss is not None else "n/a"
     return (
         f"done: steps {summary.start_step} -> {summary.steps}, loss {summary.losses[0]:.4f} -> "

@@ -70,7 +70,9 @@ class Summary:
       steps: the step it ended at.
       final_loss: the train loss of the last step (None when no step ran).
       final_eval_loss: the last evaluation's loss (None without evaluation).
-      tokens_per_s: mean throughput over the steps after the first (which compiles).
+      tokens_per_s: mean throughput over the steps after the first.
+      mfu: tokens_per_s as a share of the devices' dense bf16 peak (None where unknown).
+      peak_memory_bytes: the most memory the first device held (None where it does not say).
       time_s: wall time of the whole call.
       losses: the train loss of every step run, in order.
       workdir: the run's folder.
@@ -82,6 +84,8 @@ class Summary:
     final_loss: float | None
     final_eval_loss: float | None
     tokens_per_s: float | None
+    mfu: float | None
+    peak_memory_bytes: int | None
     time_s: float
     losses: list[float]
     workdir: pathlib.Path
@@ -174,12 +178,16 @@ class _Run:
         losses = [self.trainer.eval_loss(state, x, y) for x, y in self.eval_set]
         return float(np.mean(jax.device_get(losses)))
 
+    def mfu(self, tokens_per_s: float | None) -> float | None:
+        """The model FLOPs of `tokens_per_s` over the devices' peak (None where unknown)."""
+        if self.peak_total is None or tokens_per_s is None:
+            return None
+        return self.flops_per_token * tokens_per_s / self.peak_total
+
     def record(self, step: int, metrics: dict[str, Any], seconds: float, time_s: float) -> dict:
         shares, max_over_mean = _expert_load(np.asarray(metrics["tokens_per_expert"]))
         tokens_per_s = self.tokens_per_step / seconds
-        mfu = None
-        if self.peak_total is not None:
-            mfu = self.flops_per_token * tokens_per_s / self.peak_total
+        mfu = self.mfu(tokens_per_s)
         return {
             "step": step,
             "loss": float(metrics["loss"]),
@@ -304,6 +312,8 @@ def train(
         final_loss=steps.losses[-1] if steps.losses else None,
         final_eval_loss=steps.eval_loss,
         tokens_per_s=steps.tokens_per_s,
+        mfu=run.mfu(steps.tokens_per_s),
+        peak_memory_bytes=_peak_memory(),
         time_s=time.perf_counter() - started,
         losses=steps.losses,
         workdir=workdir,
@@ -380,6 +390,12 @@ class _Steps:
         self.logger.log(record)
         if state is not None and cfg.save_every and done % cfg.save_every == 0:
             self.saved = self.checkpoints.save(state)
+
+
+def _peak_memory() -> int | None:
+    """The most memory the first local device held so far (None where it does not say)."""
+    stats = jax.local_devices()[0].memory_stats()
+    return None if not stats else stats.get("peak_bytes_in_use")
 
 
 def _plan_line(trainer) -> str:
@@ -491,5 +507,14 @@ def check_determinism(model_cfg: ModelConfig, train_cfg: TrainConfig) -> Determi
 
 def summary_json(summary: Summary) -> str:
     """The summary as one JSON line (without the per-step losses and samples)."""
-    keys = ("start_step", "steps", "final_loss", "final_eval_loss", "tokens_per_s", "time_s")
+    keys = (
+        "start_step",
+        "steps",
+        "final_loss",
+        "final_eval_loss",
+        "tokens_per_s",
+        "mfu",
+        "peak_memory_bytes",
+        "time_s",
+    )
     return json.dumps({k: getattr(summary, k) for k in keys} | {"workdir": str(summary.workdir)})
