@@ -317,7 +317,7 @@ def _done_line(summary) -> str:
             f"done: nothing to train, the run is at step {summary.steps} already; outputs in "
             f"{summary.workdir}"
         )
-    rate = f"{summary.tokens_per_s:,.0f}" if summary.tokens_per_s else "n/a"
+    rate = f"{summary.tokens_per_s:,.0f} tokens/s" if summary.tokens_per_s else "n/a tokens/s"
     if summary.mfu is not None:
         rate += f" (MFU {summary.mfu:.1%})"
     if summary.peak_memory_bytes is not None:
@@ -325,7 +325,7 @@ def _done_line(summary) -> str:
     eval_text = f"{summary.final_eval_loss:.4f}" if summary.final_eval_loss is not None else "n/a"
     return (
         f"done: steps {summary.start_step} -> {summary.steps}, loss {summary.losses[0]:.4f} -> "
-        f"{summary.final_loss:.4f}, eval loss {eval_text}, {rate} tokens/s, "
+        f"{summary.final_loss:.4f}, eval loss {eval_text}, {rate}, "
         f"{summary.time_s:.1f} s; outputs in {summary.workdir}"
     )
 

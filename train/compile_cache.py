@@ -224,8 +224,12 @@ def compile_step(
             out_shardings=flat_out,
             donate_argnums=flat_donated,
         )
-        exported = export.export(flat_jit, disabled_checks=_UNVERSIONED_CALLS)(*leaves)
-        store(key, exported)
+        try:
+            exported = export.export(flat_jit, disabled_checks=_UNVERSIONED_CALLS)(*leaves)
+            store(key, exported)
+        except Exception as e:  # a step jax.export refuses still trains, uncached
+            first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            return _compile_traced(jitted, args, f"not kept: {first_line[:160]}")
         lowered = "traced and kept"
     lowered_at = time.perf_counter()
     call = jax.jit(
