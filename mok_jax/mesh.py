@@ -47,14 +47,17 @@ def _mesh_shape(layout: str, num_devices: int, data: int | None, expert: int | N
     if layout == "data_expert":
         if data is None and expert is None:
             raise ValueError("layout='data_expert' needs data= or expert= (or both)")
+        # One degree given: the other is derived so that data x expert = every device.
+        for name, given in (("data", data), ("expert", expert)):
+            if given is not None and (data is None or expert is None) and num_devices % given:
+                raise ValueError(
+                    f"{name}={given} must divide the {num_devices} devices: layout="
+                    f"'data_expert' given one degree makes data x expert = all {num_devices}"
+                )
         if data is None:
-            data = num_devices // expert if expert and num_devices % expert == 0 else None
+            data = num_devices // expert
         if expert is None:
-            expert = num_devices // data if data and num_devices % data == 0 else None
-        if data is None or expert is None:
-            raise ValueError(
-                f"{num_devices} devices do not split into a data x expert mesh as asked"
-            )
+            expert = num_devices // data
         return data, expert
     raise ValueError(f"layout={layout!r} must be one of {LAYOUTS}")
 

@@ -2,6 +2,7 @@
 
     python -m train                                  # tiny preset, 8 simulated CPU devices, EP 8
     python -m train --steps 100 --workdir /tmp/run   # then: --steps 300 --resume continues it
+    python -m train --steps 300 --workdir /tmp/run --resume-from 100   # from a chosen step
     python -m train --preset small --data ~/texts    # a text file or folder of your own
     python -m train --check-determinism --steps 5    # the same steps twice: bitwise equal?
     python -m train sample --workdir runs/tiny --prompt "def " --max-new-bytes 200
@@ -64,7 +65,19 @@ def _train_parser() -> argparse.ArgumentParser:
         "text file or folder (default: stdlib)",
     )
     p.add_argument("--workdir", help="output folder (default: runs/<preset>)")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest checkpoint that passes verification (a damaged newer "
+        "one is reported and moved to WORKDIR/checkpoints_set_aside)",
+    )
+    p.add_argument(
+        "--resume-from",
+        type=int,
+        metavar="STEP",
+        help="continue from checkpoint STEP (as --resume; the steps after it are moved to "
+        "WORKDIR/checkpoints_set_aside)",
+    )
     p.add_argument(
         "--overwrite", action="store_true", help="delete a previous run in --workdir first"
     )
@@ -148,7 +161,8 @@ def _presets_text() -> str:
 def _sample_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="python -m train sample",
-        description="Generate bytes from a run's latest checkpoint (on one device).",
+        description="Generate bytes from a run's newest checkpoint that passes verification "
+        "(on one device); a damaged newer one is reported and skipped.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--workdir", required=True, help="the training run's folder")
@@ -156,6 +170,9 @@ def _sample_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-bytes", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--step", type=int, help="sample from this checkpoint step (default: the newest good one)"
+    )
     return p
 
 
@@ -198,9 +215,9 @@ def _configs(args: argparse.Namespace):
     """The model and train configs of the preset with the flags' changes. `--devices` counts
     one process's devices: the run uses that many times the number of processes.
 
-    With --resume and no --preset, the base is the settings the resumed run saved in its
-    config.json (so `--steps m --resume` continues the same run: schedule, seed, data and batch
-    included), and only the flags given change them."""
+    With --resume (or --resume-from) and no --preset, the base is the settings the resumed run
+    saved in its config.json (so `--steps m --resume` continues the same run: schedule, seed,
+    data and batch included), and only the flags given change them."""
     import dataclasses
     import pathlib
 
@@ -209,7 +226,8 @@ def _configs(args: argparse.Namespace):
     preset = PRESETS[args.preset or "tiny"]
     model_base, train_base = preset.model, preset.train
     workdir = pathlib.Path(args.workdir or preset.train.workdir)
-    if args.resume and args.preset is None and (workdir / CONFIG_FILE).is_file():
+    resume = args.resume or args.resume_from is not None
+    if resume and args.preset is None and (workdir / CONFIG_FILE).is_file():
         model_base, train_base = read_run_configs(workdir)
     processes = args.num_processes or 1
     if args.distributed:  # the count comes from jax.distributed's auto-detection
@@ -262,6 +280,8 @@ def main_train(argv: Sequence[str]) -> int:
     # A training process owns its GPU: let JAX's allocator take 90% of it (JAX's default is
     # 75%), unless the environment says otherwise.
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+    if args.resume_from is not None and args.overwrite:
+        parser.error(f"--resume-from {args.resume_from} and --overwrite exclude each other")
     try:
         _distributed(args, parser)
         model_cfg, train_cfg = _configs(args)
@@ -293,6 +313,7 @@ def main_train(argv: Sequence[str]) -> int:
             model_cfg,
             train_cfg,
             resume=args.resume,
+            resume_from=args.resume_from,
             overwrite=args.overwrite,
             progress=not args.no_progress,
             sample=not args.no_sample,
@@ -340,7 +361,7 @@ def main_sample(argv: Sequence[str]) -> int:
     _set_devices(1, parser)
     import pathlib
 
-    from train.checkpoint import Checkpoints, read_run_configs
+    from train.checkpoint import CheckpointDamaged, Checkpoints, read_run_configs
     from train.sample import format_samples, generate
     from train.step import Trainer
 
@@ -351,19 +372,26 @@ def main_sample(argv: Sequence[str]) -> int:
         import dataclasses
 
         trainer = Trainer(model_cfg, dataclasses.replace(train_cfg, implementation="xla"), None)
-        checkpoints = Checkpoints(workdir)
-        state = checkpoints.restore(trainer)
-        checkpoints.close()
+        checkpoints = Checkpoints(workdir, read_only=True)
+        try:
+            restored = checkpoints.restore_newest_good(trainer, step=args.step)
+        finally:
+            checkpoints.close()
         continuations = generate(
-            trainer.model(state),
+            trainer.model(restored.state),
             prompts,
             max_new_bytes=args.max_new_bytes,
             temperature=args.temperature,
             seed=args.seed,
         )
+    except CheckpointDamaged as e:
+        parser.error(f"--step {args.step}: {e} (its folder: {e.folder})")
     except (FileNotFoundError, ValueError) as e:
-        parser.error(str(e))
-    print(f"step {int(state.step)} of {workdir}")
+        parser.error(str(e) if args.step is None else f"--step {args.step}: {e}")
+    for damaged in restored.skipped:
+        print(f"{damaged}; skipped, not deleted (rm -r {damaged.folder} removes it)")
+    newest = ", the newest good checkpoint" if restored.skipped else ""
+    print(f"step {restored.step} of {workdir}{newest}")
     print(format_samples(prompts, continuations, args.temperature))
     return 0
 

@@ -25,7 +25,15 @@ import jax
 import numpy as np
 
 from train import data as data_lib
-from train.checkpoint import Checkpoints, read_model_config, write_config
+from train.checkpoint import (
+    SET_ASIDE_DIR,
+    CheckpointDamaged,
+    Checkpoints,
+    Restored,
+    read_model_config,
+    set_aside,
+    write_config,
+)
 from train.config import ModelConfig, TrainConfig
 from train.metrics import RunLogger
 from train.model import model_flops_per_token, peak_flops
@@ -101,33 +109,113 @@ def _expert_load(tokens_per_expert: np.ndarray) -> tuple[list[list[float]], list
     return shares.tolist(), (counts.max(axis=1) / mean).tolist()
 
 
-def _prepare_workdir(workdir: pathlib.Path, *, resume: bool, overwrite: bool) -> None:
-    """Makes the folder; refuses to start a fresh run over another run's checkpoints."""
+def _check_workdir(workdir: pathlib.Path, *, resume: bool, overwrite: bool) -> None:
+    """Checks, creating nothing, that `workdir` can be the run's folder: it is a folder or
+    can become one, and a fresh run does not start over another run's checkpoints."""
+    for folder in (workdir, *workdir.parents):
+        if folder.exists():
+            if not folder.is_dir():
+                where = "" if folder == workdir else f": {folder} is a file"
+                raise ValueError(f"workdir={str(workdir)!r} is not a folder{where}")
+            break
     checkpoints = workdir / "checkpoints"
-    if overwrite and jax.process_index() == 0:
-        for name in ("checkpoints", "tensorboard"):
-            shutil.rmtree(workdir / name, ignore_errors=True)
-        for name in ("metrics.jsonl", PLOT_FILE, SAMPLES_FILE, "config.json"):
-            (workdir / name).unlink(missing_ok=True)
-    elif not resume and checkpoints.is_dir() and any(checkpoints.iterdir()):
+    if not (resume or overwrite) and checkpoints.is_dir() and any(checkpoints.iterdir()):
         raise WorkdirInUse(
             f"{workdir} already holds a run's checkpoints: --resume continues it, --overwrite "
             "starts over (deleting it), or choose another --workdir"
         )
+
+
+def _prepare_workdir(workdir: pathlib.Path, *, overwrite: bool) -> None:
+    """Makes the folder (once the run is accepted); with `overwrite`, deletes a previous run's
+    outputs in it."""
+    if overwrite and jax.process_index() == 0:
+        for name in ("checkpoints", "tensorboard", SET_ASIDE_DIR):
+            shutil.rmtree(workdir / name, ignore_errors=True)
+        for name in ("metrics.jsonl", PLOT_FILE, SAMPLES_FILE, "config.json"):
+            (workdir / name).unlink(missing_ok=True)
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices("train: workdir prepared")
-    workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"workdir={str(workdir)!r} cannot be made: {e.strerror}") from None
 
 
-def _check_same_model(workdir: pathlib.Path, model_cfg: ModelConfig) -> None:
+def _config_differences(saved: dict, asked: dict, prefix: str = "") -> list[str]:
+    """'field: saved -> asked' for each field (dotted within nested configs) that differs."""
+    differences = []
+    for key in sorted(saved.keys() | asked.keys()):
+        a, b = saved.get(key), asked.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            differences += _config_differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            differences.append(f"{prefix}{key}={a!r} saved, {b!r} asked")
+    return differences
+
+
+def _check_same_model(workdir: pathlib.Path, model_cfg: ModelConfig, flag: str) -> None:
+    """Refuses to resume the run in `workdir` with another model, naming the fields that
+    differ."""
     saved = read_model_config(workdir)
     if saved != model_cfg:
+        differences = _config_differences(saved.to_json(), model_cfg.to_json())
         raise ValueError(
-            f"--resume: the run in {workdir} has another model config ({saved}), not "
-            f"({model_cfg}); use the same preset and model flags"
+            f"{flag}: the run in {workdir} has another model config: "
+            f"{'; '.join(differences)}; use the same preset and model flags"
         )
+
+
+def _resume_point(
+    workdir: pathlib.Path, trainer, train_cfg: TrainConfig, resume_from: int | None, say
+) -> Restored | None:
+    """The state a resumed run starts from: the newest checkpoint that passes verification
+    (or `resume_from`'s); None when there is no checkpoint. Reads only: the run is not
+    accepted yet."""
+    checkpoints = Checkpoints(workdir, read_only=True)
+    flag = "--resume" if resume_from is None else f"--resume-from {resume_from}"
+    try:
+        if not checkpoints.steps():
+            if resume_from is not None:
+                raise ValueError(f"{flag}: no checkpoint in {checkpoints.directory}")
+            say(f"--resume: no checkpoint in {checkpoints.directory}; starting from step 0")
+            return None
+        _check_same_model(workdir, trainer.model_cfg, flag)
+        try:
+            restored = checkpoints.restore_newest_good(trainer, step=resume_from)
+        except CheckpointDamaged as e:
+            raise ValueError(f"{flag}: {e} (its folder: {e.folder})") from None
+        except ValueError as e:
+            raise ValueError(f"{flag}: {e}; --overwrite starts over") from None
+    finally:
+        checkpoints.close()
+    if restored.step > train_cfg.steps:
+        raise ValueError(
+            f"{flag}: the run in {workdir} is at step {restored.step}, past "
+            f"steps={train_cfg.steps}: ask for more steps"
+        )
+    return restored
+
+
+def _set_aside_newer(workdir: pathlib.Path, restored: Restored, say) -> None:
+    """Moves the steps after the one resumed from out of the checkpoints folder (the run
+    writes them again) and says, one line each, why and where each went."""
+    checkpoints = Checkpoints(workdir, read_only=True)
+    newer = [step for step in checkpoints.steps() if step > restored.step]
+    checkpoints.close()
+    moved = {}
+    if newer and jax.process_index() == 0:
+        moved = set_aside(checkpoints.directory, newer, workdir / SET_ASIDE_DIR)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("train: newer checkpoints set aside")
+    damaged = {e.step: e for e in restored.skipped}
+    for step, dest in moved.items():
+        why = damaged.get(step, f"checkpoint step {step} is after --resume-from {restored.step}")
+        say(f"{why}; moved to {dest}, not deleted (rm -r {dest} removes it)")
 
 
 class _Run:
@@ -222,6 +310,7 @@ def train(
     train_cfg: TrainConfig,
     *,
     resume: bool = False,
+    resume_from: int | None = None,
     overwrite: bool = False,
     progress: bool = True,
     sample: bool = True,
@@ -233,8 +322,11 @@ def train(
     Args:
       model_cfg: the model.
       train_cfg: the run (steps, schedule, batch, data, mesh, workdir, ...).
-      resume: continue from the latest finished checkpoint in the workdir (a fresh start when
-        there is none).
+      resume: continue from the newest checkpoint in the workdir that passes verification
+        (a fresh start when there is none); damaged newer steps are reported, one line each,
+        and moved to workdir/checkpoints_set_aside (the run writes those steps again).
+      resume_from: continue from this step's checkpoint (implies `resume`); the steps after
+        it are moved aside as above.
       overwrite: delete a previous run's checkpoints and logs in the workdir first.
       progress: show the progress bar (process 0).
       sample: at the end, sample a few lines from the model into workdir/samples.txt.
@@ -249,33 +341,31 @@ def train(
       TrainingDiverged: the loss or gradient norm was NaN or Inf at some step; nothing is saved
         from that step on, so the latest checkpoint is the last good one.
       WorkdirInUse: a fresh run over another run's checkpoints (without resume or overwrite).
-      data.DataError, ValueError: bad data, configs that do not fit the mesh, or a resumed run
-        whose latest checkpoint is past `train_cfg.steps`.
+      data.DataError, ValueError: bad data, configs that do not fit the mesh, a workdir that
+        is a file, a resumed run whose checkpoint is past `train_cfg.steps`, of another
+        model, or with no checkpoint that passes verification. Nothing is written to disk
+        before these checks pass.
     """
     started = time.perf_counter()
     workdir = pathlib.Path(train_cfg.workdir)
     say = log if jax.process_index() == 0 else (lambda _: None)
     data = data_lib.load_bytes(train_cfg.data)  # first: a bad path fails before any work
-    _prepare_workdir(workdir, resume=resume, overwrite=overwrite)
+    resume = resume or resume_from is not None
+    _check_workdir(workdir, resume=resume, overwrite=overwrite)
     mesh = _mesh(train_cfg)
     run = _Run(model_cfg, train_cfg, mesh, data)
     trainer = run.trainer
-    checkpoints = Checkpoints(workdir)
-    latest = checkpoints.latest_step() if resume else None
-    if latest is not None and latest > train_cfg.steps:
-        checkpoints.close()
-        raise ValueError(
-            f"--resume: the run in {workdir} is at step {latest}, past steps={train_cfg.steps}: "
-            "ask for more steps"
-        )
-    if latest is not None:
-        _check_same_model(workdir, trainer.model_cfg)
-        state = checkpoints.restore(trainer, latest)
-        say(f"resumed from {checkpoints.directory} at step {latest}")
+    restored = None
+    if resume and not overwrite:
+        restored = _resume_point(workdir, trainer, train_cfg, resume_from, say)
+    _prepare_workdir(workdir, overwrite=overwrite)  # the run is accepted: now it writes
+    if restored is not None:
+        _set_aside_newer(workdir, restored, say)
+        say(_resumed_line(restored, workdir))
+        state = restored.state
     else:
-        if resume:
-            say(f"--resume: no checkpoint in {checkpoints.directory}; starting from step 0")
         state = trainer.init_state()
+    checkpoints = Checkpoints(workdir)
     start = int(jax.device_get(state.step))
     if run.pid == 0:
         write_config(workdir, trainer.model_cfg, {"train": dataclasses.asdict(train_cfg)})
@@ -297,7 +387,8 @@ def train(
         enabled=run.pid == 0,
         progress=progress,
     )
-    steps = _Steps(run, checkpoints, logger, started, saved=latest)
+    saved = None if restored is None else restored.step
+    steps = _Steps(run, checkpoints, logger, started, saved=saved)
     try:
         state = steps.run(state, start, train_cfg.steps, state_hook)
         if int(jax.device_get(state.step)) != steps.saved:
@@ -319,6 +410,22 @@ def train(
         workdir=workdir,
         samples=samples,
     )
+
+
+def _resumed_line(restored: Restored, workdir: pathlib.Path) -> str:
+    """Where the run resumes, and how many steps it redoes when it passed newer ones over."""
+    line = f"resumed from {workdir / 'checkpoints'} at step {restored.step}"
+    redo = restored.newest - restored.step
+    if restored.skipped:
+        line += ", the newest good checkpoint"
+    if redo:
+        line += (
+            f": steps {restored.step + 1}-{restored.newest} are redone ({redo} step"
+            f"{'s' if redo > 1 else ''})"
+        )
+    if not restored.checked:
+        line += " (saved without checksums: its values are not checked)"
+    return line
 
 
 class _Steps:

@@ -99,7 +99,13 @@ def make_train_mesh(cfg: TrainConfig, devices: list[jax.Device] | None = None) -
         devices = devices[: cfg.devices]
     if cfg.layout == "expert":
         return mok_jax.make_mesh("expert", devices=devices)
-    return mok_jax.make_mesh("data_expert", data=cfg.data_parallel or 1, devices=devices)
+    data = cfg.data_parallel or 1
+    if len(devices) % data:
+        raise ValueError(
+            f"data_parallel={data} must divide the {len(devices)} devices: layout='data_expert' "
+            f"is data_parallel x expert, expert = devices / data_parallel"
+        )
+    return mok_jax.make_mesh("data_expert", data=data, devices=devices)
 
 
 def _spec(a: jax.ShapeDtypeStruct) -> PartitionSpec:

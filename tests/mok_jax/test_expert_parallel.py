@@ -241,8 +241,10 @@ class ExpertParallelTest(parameterized.TestCase):
                 make_mesh(layout)
         with self.assertRaisesRegex(ValueError, "layout="):
             make_mesh("torus")
-        with self.assertRaisesRegex(ValueError, "data x expert"):
+        with self.assertRaisesRegex(ValueError, "data=3 must divide the 8 devices"):
             make_mesh("data_expert", data=3)
+        with self.assertRaisesRegex(ValueError, "expert=3 must divide the 8 devices"):
+            make_mesh("data_expert", expert=3)
 
     def test_rules_place_inputs_of_any_sharding(self):
         mesh = mesh_of("data_expert", data=2)
