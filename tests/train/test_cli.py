@@ -8,9 +8,11 @@ import json
 import os
 import pathlib
 import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -120,16 +122,148 @@ def test_second_run_reads_the_lowered_step_from_the_cache(tmp_path):
         (["--batch-size", "12"], "batch_size=12 must be divisible by the 8 devices"),
         (["--num-processes", "2"], "--coordinator, --num-processes and --process-id go together"),
         (["sample", "--workdir", "/no/such/run"], "/no/such/run/config.json does not exist"),
+        (["--workdir", "{tmp}/file"], "workdir='{tmp}/file' is not a folder"),
+        (["--workdir", "{tmp}/file/run"], "is not a folder: {tmp}/file is a file"),
+        (
+            ["--layout", "data_expert", "--data-parallel", "3"],
+            "data_parallel=3 must divide the 8 devices",
+        ),
+        (["--resume-from", "3"], "--resume-from 3: no checkpoint in {tmp}/w/checkpoints"),
+        (["--resume-from", "2", "--overwrite"], "--resume-from 2 and --overwrite exclude"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(tmp_path, args, message):
-    if args[0] != "sample":
+    """Each bad input: one line naming the value, exit code 2, and nothing made on disk."""
+    (tmp_path / "file").write_text("not a folder\n")
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    message = message.replace("{tmp}", str(tmp_path))
+    if args[0] != "sample" and "--workdir" not in args:
         args = [*args, "--workdir", str(tmp_path / "w")]
+    before = sorted(tmp_path.rglob("*"))
     out = _train(*args, timeout=120)
     assert out.returncode == 2, (out.returncode, out.stderr[-2000:])
     assert "Traceback" not in out.stderr
     errors = [line for line in out.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and message in errors[0], out.stderr[-2000:]
+    assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_sample_without_checkpoints_makes_no_folder(tmp_path):
+    import dataclasses
+
+    from train.checkpoint import write_config
+    from train.config import PRESETS
+
+    tiny = PRESETS["tiny"]
+    write_config(tmp_path, tiny.model, {"train": dataclasses.asdict(tiny.train)})
+    out = _train("sample", "--workdir", str(tmp_path), timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert f"error: no finished checkpoint in {tmp_path}/checkpoints" in out.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
+
+
+@pytest.mark.slow
+def test_damaged_latest_step_falls_back(tmp_path):
+    """A data file of the latest step truncated, then deleted: `sample` and `--resume` each
+    report it in one line (no traceback) and use the step before; the resumed run redoes the
+    lost steps with the first run's losses, bit for bit."""
+    workdir = tmp_path / "run"
+    common = [*SMALL, "--eval-every", "0", "--no-sample", "--workdir", str(workdir)]
+    first = _train(*common, "--steps", "4", "--save-every", "2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    first_losses = [r["loss"] for r in read_metrics(workdir / "metrics.jsonl")]
+    step_4 = workdir / "checkpoints" / "4"
+    data_file = max((step_4 / "default" / "ocdbt.process_0" / "d").iterdir(), key=_size)
+    name = str(data_file.relative_to(step_4))
+    size = data_file.stat().st_size
+    data_file.write_bytes(data_file.read_bytes()[: size // 2])
+
+    sample = ["sample", "--workdir", str(workdir), "--max-new-bytes", "4"]
+    sampled = _train(*sample)
+    assert sampled.returncode == 0, sampled.stderr[-3000:]
+    assert sampled.stdout.splitlines()[:2] == [
+        f"checkpoint step 4 is damaged: {name}: {size // 2} bytes, {size} when saved; "
+        f"skipped, not deleted (rm -r {step_4} removes it)",
+        f"step 2 of {workdir}, the newest good checkpoint",
+    ]
+    assert "Traceback" not in sampled.stderr and len(sampled.stderr.splitlines()) < 20
+
+    data_file.unlink()
+    resumed = _train("--steps", "5", "--resume", "--no-progress", "--workdir", str(workdir))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "Traceback" not in resumed.stderr and len(resumed.stderr.splitlines()) < 20
+    moved = workdir / "checkpoints_set_aside" / "4"
+    assert (
+        f"checkpoint step 4 is damaged: {name}: missing; moved to {moved}, not deleted "
+        f"(rm -r {moved} removes it)" in resumed.stdout.splitlines()
+    )
+    assert (
+        f"resumed from {workdir}/checkpoints at step 2, the newest good checkpoint: steps 3-4 "
+        "are redone (2 steps)" in resumed.stdout.splitlines()
+    )
+    records = read_metrics(workdir / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    assert [r["loss"] for r in records[:4]] == first_losses
+    assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["2", "4", "5"]
+
+
+def _size(path: pathlib.Path) -> int:
+    return path.stat().st_size
+
+
+@pytest.mark.slow
+def test_killed_during_a_save_loses_at_most_one_interval(tmp_path):
+    """SIGKILL while orbax writes a checkpoint (its temporary folder exists), then --resume:
+    the run continues from the step saved before (at most one save interval lost), and the
+    redone step has the killed run's loss, bit for bit."""
+    workdir = tmp_path / "run"
+    checkpoints = workdir / "checkpoints"
+    args = [*SMALL, "--steps", "1000", "--save-every", "1", "--eval-every", "0", "--no-sample"]
+    with open(tmp_path / "out.txt", "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "train", *args, "--workdir", str(workdir)],
+            cwd=ROOT,
+            env=_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            saving = _kill_during_a_save(proc, checkpoints, after_steps=3)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    killed_losses = {r["step"]: r["loss"] for r in read_metrics(workdir / "metrics.jsonl")}
+    assert saving in killed_losses  # a step is logged before it is saved
+
+    resumed = _train(
+        "--steps", str(saving + 1), "--resume", "--no-progress", "--workdir", str(workdir)
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    start = json.loads(resumed.stdout.strip().splitlines()[-1])["start_step"]
+    print(f"killed while saving step {saving}; resumed from step {start}")
+    assert saving - 1 <= start <= saving, (saving, start)
+    records = read_metrics(workdir / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, saving + 2))
+    for r in records[:saving]:
+        assert r["loss"] == killed_losses[r["step"]], r["step"]
+    assert not list(checkpoints.glob("*.orbax-checkpoint-tmp*"))  # the half save is cleared
+
+
+def _kill_during_a_save(proc, checkpoints: pathlib.Path, *, after_steps: int) -> int:
+    """SIGKILLs `proc` once orbax's temporary folder of a step past `after_steps` exists;
+    returns that step."""
+    deadline = time.monotonic() + 400
+    while time.monotonic() < deadline and proc.poll() is None:
+        names = os.listdir(checkpoints) if checkpoints.is_dir() else []
+        for name in names:
+            step, _, rest = name.partition(".")
+            if rest.startswith("orbax-checkpoint-tmp") and int(step) > after_steps:
+                proc.send_signal(signal.SIGKILL)
+                return int(step)
+        time.sleep(0.0005)
+    raise AssertionError("the run ended (or timed out) before a save could be interrupted")
 
 
 def test_help_lists_the_flags():
@@ -139,6 +273,7 @@ def test_help_lists_the_flags():
         "--preset",
         "--schedule-steps",
         "--resume",
+        "--resume-from",
         "--devices",
         "--check-determinism",
         "--coordinator",

@@ -92,7 +92,9 @@ def test_fresh_run_refuses_a_used_workdir(tmp_path):
         _run(tmp_path, steps=1)
     # Resuming with another model is refused before anything is compiled or written.
     other = dataclasses.replace(MICRO_MODEL, moe_every=1)
-    with pytest.raises(ValueError, match="another model config"):
+    with pytest.raises(
+        ValueError, match=r"has another model config: moe_every=2 saved, 1 asked; use the same"
+    ):
         train(other, micro_train(tmp_path, steps=2), resume=True, progress=False, sample=False)
 
 
@@ -122,8 +124,14 @@ def test_per_block_checkpoint_is_converted(tmp_path):
     fixture = pathlib.Path(__file__).parent / "data" / "per_block_checkpoint"
     shutil.copytree(fixture, tmp_path, dirs_exist_ok=True)
     old_losses = json.loads((fixture / "losses.json").read_text())["losses"]
-    _, resumed = _run(tmp_path, steps=3, devices=8, save_every=2, resume=True)
+    lines: list[str] = []
+    cfg = micro_train(tmp_path, steps=3, devices=8, save_every=2)
+    resumed = train(MICRO_MODEL, cfg, resume=True, progress=False, sample=False, log=lines.append)
     assert resumed.start_step == 2
+    assert any(
+        line.endswith("at step 2 (saved without checksums: its values are not checked)")
+        for line in lines
+    ), lines
     np.testing.assert_allclose(resumed.losses, old_losses[2:], rtol=1e-5)
     checkpoints = Checkpoints(tmp_path)
     assert checkpoints.manager.all_steps() == [2, 3]
