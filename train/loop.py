@@ -145,7 +145,8 @@ def _prepare_workdir(workdir: pathlib.Path, *, overwrite: bool) -> None:
 
 
 def _config_differences(saved: dict, asked: dict, prefix: str = "") -> list[str]:
-    """'field: saved -> asked' for each field (dotted within nested configs) that differs."""
+    """'field=saved saved, asked asked' for each field that differs (nested configs' fields
+    dotted, e.g. moe.num_experts)."""
     differences = []
     for key in sorted(saved.keys() | asked.keys()):
         a, b = saved.get(key), asked.get(key)
@@ -188,7 +189,8 @@ def _resume_point(
         except CheckpointDamaged as e:
             raise ValueError(f"{flag}: {e} (its folder: {e.folder})") from None
         except ValueError as e:
-            raise ValueError(f"{flag}: {e}; --overwrite starts over") from None
+            advice = "; --overwrite starts over" if resume_from is None else ""
+            raise ValueError(f"{flag}: {e}{advice}") from None
     finally:
         checkpoints.close()
     if restored.step > train_cfg.steps:
@@ -418,11 +420,10 @@ def _resumed_line(restored: Restored, workdir: pathlib.Path) -> str:
     redo = restored.newest - restored.step
     if restored.skipped:
         line += ", the newest good checkpoint"
-    if redo:
-        line += (
-            f": steps {restored.step + 1}-{restored.newest} are redone ({redo} step"
-            f"{'s' if redo > 1 else ''})"
-        )
+    if redo == 1:
+        line += f": step {restored.newest} is redone (1 step)"
+    elif redo > 1:
+        line += f": steps {restored.step + 1}-{restored.newest} are redone ({redo} steps)"
     if not restored.checked:
         line += " (saved without checksums: its values are not checked)"
     return line

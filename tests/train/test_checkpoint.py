@@ -83,17 +83,23 @@ def _run(workdir, *, resume=False, lines=None, **changes):
 
 
 @pytest.fixture(scope="module")
-def saved_run(tmp_path_factory) -> pathlib.Path:
-    """A run of 4 steps saved at 2 and 4 (the template every test copies)."""
-    workdir = tmp_path_factory.mktemp("saved")
-    _run(workdir, steps=4, save_every=2)
-    return workdir
+def uninterrupted(tmp_path_factory) -> tuple[pathlib.Path, list[float]]:
+    """An uninterrupted run of 6 steps saved at 2, 4 and 6, with its step 6 removed: the
+    template every test copies (a run whose last checkpoint is step 4), and its losses."""
+    workdir = tmp_path_factory.mktemp("uninterrupted")
+    losses = _run(workdir, steps=6, save_every=2).losses
+    shutil.rmtree(workdir / "checkpoints" / "6")
+    return workdir, losses
 
 
-@pytest.fixture(scope="module")
-def whole_losses(tmp_path_factory) -> list[float]:
-    """The losses of an uninterrupted run of 6 steps."""
-    return _run(tmp_path_factory.mktemp("whole"), steps=6, save_every=2).losses
+@pytest.fixture
+def saved_run(uninterrupted) -> pathlib.Path:
+    return uninterrupted[0]
+
+
+@pytest.fixture
+def whole_losses(uninterrupted) -> list[float]:
+    return uninterrupted[1]
 
 
 @pytest.fixture
@@ -159,17 +165,17 @@ def test_damaged_latest_step(tmp_path, saved_run, whole_losses, trainer, kind, f
 
 @pytest.mark.parametrize("fault", FAULTS)
 def test_every_file_of_the_step(tmp_path, saved_run, trainer, fault):
-    """Each file of step 4 in turn (data files and index nodes included, whatever their
-    role): the step is used if and only if its arrays read back bitwise as saved (checked
-    here against the intact step, independently of the checksums); otherwise step 2 is used
-    and the damage named."""
+    """Each of OCDBT's files of step 4 in turn (manifests, index nodes, data files, whatever
+    their role; the metadata files are covered above): the step is used if and only if its
+    arrays read back bitwise as saved (checked here against the intact step, independently of
+    the checksums); otherwise step 2 is used and the damage named."""
     source = saved_run / "checkpoints"
     checkpoints = Checkpoints(saved_run, read_only=True)
     intact = jax.device_get(checkpoints.restore(trainer, 4))
     checkpoints.close()
     outcomes = {}
-    for path in sorted((source / "4").rglob("*")):
-        if not path.is_file():
+    for path in sorted((source / "4" / "default").rglob("*")):
+        if not path.is_file() or not (path.name == "manifest.ocdbt" or path.parent.name == "d"):
             continue
         name = str(path.relative_to(source / "4"))
         work = tmp_path / name.replace("/", "_")

@@ -187,6 +187,12 @@ def test_damaged_latest_step_falls_back(tmp_path):
         f"step 2 of {workdir}, the newest good checkpoint",
     ]
     assert "Traceback" not in sampled.stderr and len(sampled.stderr.splitlines()) < 20
+    chosen = _train(*sample, "--step", "4")  # chosen by hand: refused, in one line
+    assert chosen.returncode == 2 and "Traceback" not in chosen.stderr
+    assert chosen.stderr.splitlines()[-1] == (
+        f"python -m train sample: error: --step 4: checkpoint step 4 is damaged: {name}: "
+        f"{size // 2} bytes, {size} when saved (its folder: {step_4})"
+    )
 
     data_file.unlink()
     resumed = _train("--steps", "5", "--resume", "--no-progress", "--workdir", str(workdir))
