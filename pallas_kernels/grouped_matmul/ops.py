@@ -20,14 +20,16 @@
               stored) and forms g = dy @ w_down[g].T (dy rounded to the compute dtype), h (the
               forward's bits), [d_gate | d_up] with dh = s * g, and d_s = rowsum(h * g) over F
               (no recomputed down projection), in one of two ways (`Recompute`):
-              "gmm", three f32 gmm products then XLA's elementwise pass; "kernel", ONE kernel,
-              `mosaic_gpu.gmm_swiglu_bwd`, whose epilogue forms them with no f32 [M, F] array
-              in HBM. Then gmm_swiglu's d_lhs and weight gradients, and
-              d_w_down = tgmm(h, s * dy): 8 GEMM passes (in 6 kernels or 4), against the 11 of
+              "gmm", three f32 gmm products then XLA's elementwise pass, on gate and up
+              rounded to the compute dtype as the forward keeps them; "kernel", ONE kernel,
+              `mosaic_gpu.gmm_swiglu_bwd`, whose epilogue forms them from the f32 gate and up
+              with no f32 [M, F] array in HBM. Then gmm_swiglu's d_lhs and weight gradients,
+              and d_w_down = tgmm(h, s * dy): 8 GEMM passes (in 6 kernels or 4), against the 11 of
               gmm_swiglu's and gmm's VJPs chained (whose h, gate/up and unscaled output are
               each recomputed). With `saved` (h, gate, up of the forward) g is one gmm and the
-              rest as gmm_swiglu's backward: 6 passes. `swiglu_mlp_grads_from_g` takes g and
-              s * dy formed elsewhere (the exchange's kernel, which forms g as dy arrives).
+              rest as gmm_swiglu's backward: 6 passes, and "gmm"'s gradient bits.
+              `swiglu_mlp_grads_from_g` takes g and s * dy formed elsewhere (the exchange's
+              kernel, which forms g as dy arrives).
               With input_grad=False both hand back [d_gate | d_up] instead of d_lhs, whose
               GEMM (`swiglu_input_grad`) the exchange runs in the kernel that returns d_lhs.
 Cotangents are cast to the compute dtype (lhs's) before they enter a kernel; weight gradients
@@ -57,7 +59,8 @@ from pallas_kernels.grouped_matmul.mosaic_gpu_wgrad import tgmm
 
 # How swiglu_mlp's backward recomputes gate, up and g = dy @ w_down.T, and forms h,
 # [d_gate | d_up] and d_s from them (module docstring). The same values either way (h to the
-# bit; the rest to their f32 rounding); on the H200 at qwen3_30b_a3b (131072 rows, D 2048,
+# bit; the rest to their f32 rounding and to that of gate and up, which "gmm" rounds to the
+# compute dtype as the forward keeps them); on the H200 at qwen3_30b_a3b (131072 rows, D 2048,
 # F 768) "gmm" took 3.03 ms and "kernel" 3.73 ms (bench/results/2026-12-01_fused_probe_h200),
 # so "gmm" is the default; "kernel" keeps 3 f32 [M, F] arrays (12 * M * F bytes) out of HBM.
 Recompute = Literal["gmm", "kernel"]
@@ -394,8 +397,9 @@ def swiglu_mlp_grads(
 
 
 def _grads_from_g(static, lhs, w_gate, w_up, w_down, group_sizes, scale, saved, g, dy_down):
-    """`swiglu_mlp_grads`' last steps, from (h, gate, up), g = dy @ w_down[g].T (f32) and
-    dy_down (dy times the row scale, lhs dtype)."""
+    """`swiglu_mlp_grads`' last steps, from (h, gate, up) (lhs dtype: the forward's kept
+    ones or `_recomputed`'s, the same bits), g = dy @ w_down[g].T (f32) and dy_down (dy times
+    the row scale, lhs dtype)."""
     h, gate, up = saved
     gate, up = gate.astype(jnp.float32), up.astype(jnp.float32)
     if scale is None:
@@ -438,10 +442,16 @@ def swiglu_mlp_grads_from_g(
 
 
 def _recomputed(static, lhs, w_gate, w_up, group_sizes) -> tuple[Array, Array, Array]:
-    """(h, gate, up) recomputed by two gmm (recompute "gmm")."""
+    """(h, gate, up) recomputed by two gmm (recompute "gmm"), all three in lhs's dtype: the
+    bits of gmm_swiglu(gate_up_out=True)'s outputs."""
     gate, up = _gate_up(static, lhs, w_gate, w_up, group_sizes)
-    # The kernel epilogue's formula, so that h has the forward's bits.
-    return (gate / (1.0 + jnp.exp(-gate)) * up).astype(lhs.dtype), gate, up
+    # 1. h from the f32 gate and up, with the kernel epilogue's formula: the forward's bits.
+    h = (gate / (1.0 + jnp.exp(-gate)) * up).astype(lhs.dtype)
+    # 2. Invariant: gate and up are rounded to the compute dtype as the forward's kernel keeps
+    #    them (its epilogue casts the same f32 accumulators to lhs's dtype), so the backward
+    #    that recomputes them and the one handed the kept ones (`saved`, a `fused` layer's
+    #    residuals "gate_up") feed `_grads_from_g` the same values: the same gradient bits.
+    return h, gate.astype(lhs.dtype), up.astype(lhs.dtype)
 
 
 _swiglu_mlp.defvjp(_swiglu_mlp_fwd, _swiglu_mlp_bwd)

@@ -117,3 +117,72 @@ def test_grouped_swiglu_fused_names_a_bad_rows_mode():
         grouped_swiglu_fused(
             x, *weights, scale, sizes, order, order, 1, canonical_dtype("bfloat16"), recompute="xla"
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# grouped_swiglu_fused: its residual modes, and the f32 reference.
+
+
+def _fused_inputs(dtype, top_k=2):
+    """Tokens, weights, row scale, a plan (uneven groups, expert 1 empty) and a cotangent, the
+    float arrays rounded through `dtype` so that every side sees the same values."""
+    from mok_jax.plan import make_plan
+
+    num_tokens, d, f, num_experts = 37, 64, 64, 4
+    keys = jax.random.split(jax.random.key(2), 6)
+    rng = np.random.default_rng(1)
+    experts_tk = np.stack(
+        [rng.choice([0, 2, 3], top_k, replace=False, p=[0.6, 0.3, 0.1]) for _ in range(num_tokens)]
+    )
+    plan = make_plan(jnp.asarray(experts_tk, jnp.int32), num_experts)
+    sizes = np.asarray(plan.group_sizes_e)
+    assert sizes[1] == 0 and len(set(sizes.tolist())) == num_experts, sizes
+    num_rows = num_tokens * top_k
+    x = jax.random.normal(keys[0], (num_tokens, d))
+    w_gate = jax.random.normal(keys[1], (num_experts, d, f)) / 8
+    w_up = jax.random.normal(keys[2], (num_experts, d, f)) / 8
+    w_down = jax.random.normal(keys[3], (num_experts, f, d)) / 8
+    params = [a.astype(dtype).astype(jnp.float32) for a in (x, w_gate, w_up, w_down)]
+    scale = jax.random.uniform(keys[4], (num_rows,), jnp.float32, 0.1, 1.0)
+    cotangent = jax.random.normal(keys[5], (num_rows, d))
+    return (*params, scale), plan, cotangent
+
+
+@pytest.mark.parametrize("rows", ["copied", "gathered"])
+def test_grouped_swiglu_fused_kept_gate_up_give_the_recomputing_backward_bits(rows):
+    # residuals "gate_up" hands the backward the forward kernel's gate and up (its f32
+    # accumulators rounded to bf16); "inputs" with recompute "gmm" recomputes them and rounds
+    # them alike: the same values and gradients, bit for bit, and both the f32 reference's to
+    # the bf16 tolerance.
+    from mok_jax.experts import grouped_swiglu_fused
+
+    dtype, top_k = canonical_dtype("bfloat16"), 2
+    args, plan, cotangent = _fused_inputs(dtype, top_k)
+
+    def fused(residuals):
+        def run(x, wg, wu, wd, s):
+            return grouped_swiglu_fused(
+                x, wg, wu, wd, s, plan.group_sizes_e, plan.order_n, plan.inverse_n, top_k,
+                dtype, rows=rows, residuals=residuals, recompute="gmm", interpret=True,
+            )  # fmt: skip
+
+        out, vjp = jax.vjp(run, *args)
+        return out, vjp(cotangent)
+
+    def reference(x, wg, wu, wd, s):
+        x_nd = x[plan.order_n // top_k]
+        out = grouped_swiglu_ragged(x_nd, wg, wu, wd, plan.group_sizes_e, jnp.float32)
+        return out * s[:, None]
+
+    kept = fused("gate_up")
+    chex.assert_trees_all_equal(kept, fused("inputs"))
+    expected, expected_vjp = jax.vjp(reference, *args)
+    tol = tolerance(dtype)
+    names = ["y", "d_x", "d_w_gate", "d_w_up", "d_w_down", "d_scale"]
+    for name, got, want in zip(
+        names, [kept[0], *kept[1]], [expected, *expected_vjp(cotangent)], strict=True
+    ):
+        chex.assert_type(got, jnp.float32)
+        chex.assert_trees_all_close(
+            got, want, rtol=tol.rtol, atol=tol.scaled_atol(want), custom_message=name
+        )

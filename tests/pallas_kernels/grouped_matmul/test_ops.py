@@ -163,10 +163,11 @@ def test_swiglu_mlp_values_and_gradients(case, weighted, recompute):
 
 @pytest.mark.parametrize("recompute", ops.RECOMPUTES)
 def test_swiglu_mlp_grads_from_the_saved_gate_up(recompute):
-    """saved=(h, gate, up) of gmm_swiglu(gate_up_out=True): the same h, so d_w_down is the
-    recomputing backward's bits, and d_s the same f32 products: the same bits as "gmm" (XLA's
-    sum over F on both sides), f32-close to "kernel" (which sums a tile's columns, then the
-    tiles); the rest see gate and up rounded to bf16: close."""
+    """saved=(h, gate, up) of gmm_swiglu(gate_up_out=True): "gmm" recomputes the same h and
+    rounds gate and up to bf16 as the kernel stores them, so every gradient has its bits.
+    "kernel" has the same h, so d_w_down is its bits too, and d_s the same f32 products,
+    f32-close (it sums a tile's columns, then the tiles); the rest see gate and up unrounded
+    there: close."""
     from pallas_kernels.grouped_matmul import mosaic_gpu
 
     t = _inputs(*CASES[0])
@@ -176,11 +177,11 @@ def test_swiglu_mlp_grads_from_the_saved_gate_up(recompute):
     )
     recomputed = ops.swiglu_mlp_grads(*args, recompute=recompute, interpret=True)
     from_saved = ops.swiglu_mlp_grads(*args, saved=saved, interpret=True)
-    chex.assert_trees_all_equal(from_saved[3], recomputed[3])  # d_w_down
     if recompute == "gmm":
-        chex.assert_trees_all_equal(from_saved[5], recomputed[5])  # d_s
-    else:
-        _assert_close(from_saved[5], recomputed[5])  # d_s, f32
+        chex.assert_trees_all_equal(from_saved, recomputed)
+        return
+    chex.assert_trees_all_equal(from_saved[3], recomputed[3])  # d_w_down
+    _assert_close(from_saved[5], recomputed[5])  # d_s, f32
     for i in (0, 1, 2):  # d_lhs, d_w_gate, d_w_up
         _assert_close(from_saved[i], recomputed[i], jnp.bfloat16)
 
@@ -255,8 +256,9 @@ def test_the_scaled_cotangent_rounds_dy_first():
 
 def test_swiglu_mlp_recomputes_agree_and_bad_ones_raise():
     """ "gmm" and "kernel" form the same h (so d_w_down has the same bits) from the same f32
-    products; the rest differ by their rounding (the kernel's sigmoid is not XLA's logistic,
-    and d_s is summed in another order)."""
+    products; the rest differ by their rounding ("gmm" rounds gate and up to bf16 as the
+    forward keeps them, the kernel's sigmoid is not XLA's logistic, and d_s is summed in
+    another order)."""
     t = _inputs(*CASES[1])
     args = (t["x"], t["w"], t["w2"], t["w_t"], t["sizes"], t["scale"], t["cotangent"])
     by_gmm = ops.swiglu_mlp_grads(*args, recompute="gmm", interpret=True)
