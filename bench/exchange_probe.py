@@ -217,7 +217,7 @@ def _overlap(programs: tuple[int, ...], window_factor: float, stages: tuple[int,
         def run(x, side, w_gate, w_up, moves, group_sizes):
             return mosaic_gpu.dispatch_swiglu(x, side, moves, zero, w_gate, w_up, group_sizes,
                                               out_rows=slots, tile=tile, axis_name=axis,
-                                              copy_programs=c, copy_stages=s)  # fmt: skip
+                                              exchange_programs=c, copy_stages=s)  # fmt: skip
 
         return run
 
@@ -261,7 +261,7 @@ def _overlap(programs: tuple[int, ...], window_factor: float, stages: tuple[int,
         def run(h, side_s, w_down, back, group_sizes):
             return mosaic_gpu.down_return(h, side_s[:, 0], w_down, group_sizes, back, zero,
                                           out_rows=num_rows, axis_name=axis,
-                                          copy_programs=c, copy_stages=s)[1]  # fmt: skip
+                                          exchange_programs=c, copy_stages=s)[1]  # fmt: skip
 
         return run
 
@@ -290,7 +290,7 @@ def _overlap(programs: tuple[int, ...], window_factor: float, stages: tuple[int,
         def run(d_gate_up, w_gate, w_up, back, group_sizes):
             return mosaic_gpu.dgrad_return(d_gate_up, w_gate, w_up, group_sizes, back, zero,
                                            out_rows=num_rows, axis_name=axis,
-                                           copy_programs=c, copy_stages=s)[1]  # fmt: skip
+                                           exchange_programs=c, copy_stages=s)[1]  # fmt: skip
 
         return run
 

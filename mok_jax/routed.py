@@ -184,8 +184,8 @@ def _fused_round(r, rows, weights, plan, spec: RoutedSpec) -> Array:
             tile=tile,
             axis_name=spec.axis,
             recompute=spec.recompute,
-            copy_programs=spec.exchange_programs,
-            one_kernel_forward=spec.exchange_fusion == "forward",
+            exchange_programs=spec.exchange_programs,
+            exchange_fusion=spec.exchange_fusion,
             interpret=jax.default_backend() == "cpu",
         )
 

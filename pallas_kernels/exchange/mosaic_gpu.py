@@ -88,6 +88,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.exchange import tuning as exchange_tuning
 from pallas_kernels.exchange.moves import Moves
 from pallas_kernels.grouped_matmul import mosaic_gpu as gmm_kernel
 from pallas_kernels.grouped_matmul import tuning
@@ -159,16 +160,20 @@ def _async_proxy_fence() -> None:
     fence()
 
 
-def _programs(copy_programs: int) -> int:
-    """The overlapped kernels' programs, one a streaming multiprocessor. Raises ValueError
-    unless 0 < copy_programs < programs (some programs must run the GEMMs)."""
+def _programs(exchange_programs: int | None) -> tuple[int, int]:
+    """(exchange programs, all programs) of an overlapped kernel, one program a streaming
+    multiprocessor; exchange_programs None: the tuning table's value for this device
+    (`exchange_tuning.default_exchange_programs`). Raises ValueError unless 0 <
+    exchange_programs < programs (some programs must run the GEMMs)."""
+    if exchange_programs is None:
+        exchange_programs = exchange_tuning.default_exchange_programs()
     programs = tuning.persistent_grid_size()
-    if not 0 < copy_programs < programs:
+    if not 0 < exchange_programs < programs:
         raise ValueError(
-            f"copy_programs={copy_programs} (MoEConfig.exchange_programs) must be in "
+            f"exchange_programs={exchange_programs} (MoEConfig.exchange_programs) must be in "
             f"[1, {programs}): this GPU runs {programs} programs, and some must run the GEMMs"
         )
-    return programs
+    return exchange_programs, programs
 
 
 def _signal(sem, device_id=None) -> None:
@@ -314,7 +319,7 @@ def copy_piece_pipelined(
     load and stores; the rest (fewer than B rows) then moves by `copy_piece`, through stage 0.
     Returns once the stores have completed. The kernels' `copy_stages` > 1 (not the layer's
     default): bitwise on the H200; 15-20 % faster than `copy_piece` for `send_rows` alone on
-    all blocks, no faster at the layer's 24 copy programs (session 14).
+    all blocks, no faster at the layer's default exchange programs (session 14).
 
     Each stage is reloaded only after the store that read it has read it (the previous box's:
     `wait_smem_to_gmem(0, wait_read_only=True)` before the load, the later box's store not yet
@@ -503,7 +508,7 @@ def send_rows(
     local). num_blocks: the kernel's blocks (default: one a streaming multiprocessor).
     copy_stages: 1 (`copy_piece`), or 2 or 4 (`copy_piece_pipelined` through that many
     stages of the same shared memory; timed in session 14: faster alone on all blocks, not
-    at the layer's 24 copy programs).
+    at the layer's default exchange programs).
     """
     moves.check()
     _check_copy_stages(copy_stages)
@@ -649,7 +654,7 @@ def _dispatch_gemm_kernel(
     packed: _Packed,
     config,
     gemm_programs: int,
-    copy_programs: int,
+    exchange_programs: int,
     num_sides: int,
     kinds: tuple[tuple[int, jnp.dtype], ...],
     kind_of: tuple[int, ...],
@@ -675,12 +680,12 @@ def _dispatch_gemm_kernel(
     #     the copies into the tile and the zero ranges in it count there.
     counters = pl.get_global(plgpu.SemaphoreType.REGULAR((num_counters,)))
 
-    # O2. Programs [copy_programs, copy_programs + gemm_programs) run the GEMM's tiles on the
-    #     buffer (gmm_swiglu's, or the transposed gmm's), each tile once the rows it stores
+    # O2. Programs [exchange_programs, exchange_programs + gemm_programs) run the GEMM's tiles
+    #     on the buffer (gmm_swiglu's, or the transposed gmm's), each tile once the rows it stores
     #     are in place (the grouped GEMM's invariant 11). Every row before the groups' end is
     #     stored by some tile, so every tile that counts a copy or a zero range is waited for
     #     before the kernel returns: the buffer is complete.
-    @pl.when(program >= copy_programs)
+    @pl.when(program >= exchange_programs)
     def _gemm():
         gmm_kernel.programs_body(
             gemm,
@@ -690,22 +695,22 @@ def _dispatch_gemm_kernel(
             gemm_out_ref,
             config=config,
             programs=gemm_programs,
-            first_program=copy_programs,
+            first_program=exchange_programs,
             before_tile=lambda mi, first, end: _wait_tiles(counters, wait_ref, tile, first, end),
         )
 
-    # O3. Programs [0, copy_programs) copy, each of their warpgroups one copier with its own
+    # O3. Programs [0, exchange_programs) copy, each of their warpgroups one copier with its own
     #     stages (`_dispatch_copies`). The copy programs come first in the grid, so they start
     #     before any GEMM program that waits for them.
     num_wg = config.num_consumers + 1
 
-    @pl.when(program < copy_programs)
+    @pl.when(program < exchange_programs)
     def _copy():
         copier = program * num_wg + lax.axis_index("wg")
         _with_copier_stages(
             lambda stages: _dispatch_copies(
                 stages, srcs, dsts, kind_of, tables, counters, copier=copier,
-                copiers=copy_programs * num_wg, num_zeros=num_zeros, axis_name=axis_name,
+                copiers=exchange_programs * num_wg, num_zeros=num_zeros, axis_name=axis_name,
                 local=local,
             ),
             kinds=kinds, boxes=boxes, num_wg=num_wg, copy_stages=copy_stages,
@@ -741,13 +746,14 @@ def dispatch_swiglu(
     out_rows: int,
     tile: int,
     axis_name: str,
-    copy_programs: int = 24,
+    exchange_programs: int | None = None,
     copy_stages: int = 1,
 ) -> tuple[Array, Array, Array]:
     """The dispatch of round `round_index` and the first expert GEMMs in one kernel, overlapped:
     -> (buffer [out_rows, D], side [out_rows, C], h [out_rows, F]).
 
-    `copy_programs` of the kernel's programs (one a streaming multiprocessor) copy this
+    `exchange_programs` of the kernel's programs (one a streaming multiprocessor; None: the
+    tuning table's value for this device, `exchange.tuning.default_exchange_programs`) copy this
     device's rows of the round into the peers' buffers as `send_rows` does (src [A, D] and,
     with the same tables, side [A, C], a row a multiple of 16 bytes: the routing weights); the
     others run `gmm_swiglu`'s tiles on this device's buffer, h = silu(buffer @ w_gate[g]) *
@@ -761,7 +767,7 @@ def dispatch_swiglu(
     buffer, (side,), h = _dispatch_gemm(
         "swiglu", src_ad, (side_ac,), moves, round_index, (w_gate_gdf, w_up_gdf),
         ("w_gate", "w_up"), group_sizes_g, out_rows=out_rows, tile=tile, axis_name=axis_name,
-        copy_programs=copy_programs, copy_stages=copy_stages,
+        exchange_programs=exchange_programs, copy_stages=copy_stages,
     )  # fmt: skip
     return buffer, side, h
 
@@ -777,7 +783,7 @@ def dispatch_down_grad(
     out_rows: int,
     tile: int,
     axis_name: str,
-    copy_programs: int = 24,
+    exchange_programs: int | None = None,
     copy_stages: int = 1,
 ) -> tuple[Array, tuple[Array, ...], Array]:
     """The backward's dispatch of round `round_index` (the results' cotangent to the buffers,
@@ -797,7 +803,7 @@ def dispatch_down_grad(
     return _dispatch_gemm(
         "transposed", dy_ad, sides, moves, round_index, (w_down_gfd,), ("w_down",),
         group_sizes_g, out_rows=out_rows, tile=tile, axis_name=axis_name,
-        copy_programs=copy_programs, copy_stages=copy_stages,
+        exchange_programs=exchange_programs, copy_stages=copy_stages,
     )  # fmt: skip
 
 
@@ -814,7 +820,7 @@ def _dispatch_gemm(
     out_rows: int,
     tile: int,
     axis_name: str,
-    copy_programs: int,
+    exchange_programs: int | None,
     copy_stages: int,
 ) -> tuple[Array, tuple[Array, ...], Array]:
     """`dispatch_swiglu` and `dispatch_down_grad`: the dispatch (of src and its sides) and
@@ -840,7 +846,7 @@ def _dispatch_gemm(
         config, k=d_model, n=n, itemsize=itemsize, out_itemsize=jnp.dtype(out_dtype).itemsize,
         nr=len(weights),
     )  # fmt: skip
-    programs = _programs(copy_programs)
+    exchange_programs, programs = _programs(exchange_programs)
     # The GEMM's row tiles load whole 8-row tiles of the buffer, and a tile's box may not be
     # taller than the buffer: the kernel's buffer has at least block_m rows, a multiple of 8
     # (rows past out_rows: neither filled nor stored, sliced off).
@@ -858,8 +864,8 @@ def _dispatch_gemm(
         gemm=gemm,
         packed=packed,
         config=config,
-        gemm_programs=programs - copy_programs,
-        copy_programs=copy_programs,
+        gemm_programs=programs - exchange_programs,
+        exchange_programs=exchange_programs,
         num_sides=len(sides),
         kinds=kinds,
         kind_of=kind_of,
@@ -952,7 +958,7 @@ def _gemm_return_kernel(
     packed: _Packed,
     config,
     gemm_programs: int,
-    copy_programs: int,
+    exchange_programs: int,
     num_sides: int,
     kinds: tuple[tuple[int, jnp.dtype], ...],
     kind_of: tuple[int, ...],
@@ -978,11 +984,11 @@ def _gemm_return_kernel(
     #     kernel and every device (as in send_rows).
     counters = pl.get_global(plgpu.SemaphoreType.REGULAR((num_row_tiles + 1,)))
 
-    # R2. Programs [copy_programs, copy_programs + gemm_programs) run the GEMM's tiles (y =
+    # R2. Programs [exchange_programs, exchange_programs + gemm_programs) run the GEMM's tiles (y =
     #     (h @ w_down[g]) * scale in f32, or the input gradient [d_gate | d_up] @ [w_gate |
     #     w_up][g].T), each consumer signalling its row tile once its stores of a tile have
     #     completed. They wait for nothing.
-    @pl.when(program >= copy_programs)
+    @pl.when(program >= exchange_programs)
     def _gemm():
         gmm_kernel.programs_body(
             gemm,
@@ -992,22 +998,22 @@ def _gemm_return_kernel(
             y_ref,
             config=config,
             programs=gemm_programs,
-            first_program=copy_programs,
+            first_program=exchange_programs,
             after_tile=lambda mi: _signal(counters.at[mi]),
         )
 
-    # R3. Programs [0, copy_programs) copy, each warpgroup one copier (`_return_copies`). A
+    # R3. Programs [0, exchange_programs) copy, each warpgroup one copier (`_return_copies`). A
     #     copier waits only for this device's GEMM tiles, which wait for nothing, and for the
     #     peers' copiers, which do the same: no cycle.
     num_wg = config.num_consumers + 1
 
-    @pl.when(program < copy_programs)
+    @pl.when(program < exchange_programs)
     def _copy():
         copier = program * num_wg + lax.axis_index("wg")
         _with_copier_stages(
             lambda stages: _return_copies(
                 stages, srcs, dsts, kind_of, tables, lambda t: counters.at[t],
-                counters.at[num_row_tiles], copier=copier, copiers=copy_programs * num_wg,
+                counters.at[num_row_tiles], copier=copier, copiers=exchange_programs * num_wg,
                 tile_signals=tile_signals, num_zeros=num_zeros, axis_name=axis_name,
                 local=local,
             ),
@@ -1040,7 +1046,7 @@ def down_return(
     *,
     out_rows: int,
     axis_name: str,
-    copy_programs: int = 24,
+    exchange_programs: int | None = None,
     copy_stages: int = 1,
 ) -> tuple[Array, Array]:
     """The down projection of round `round_index` and the return of its results in one kernel,
@@ -1049,11 +1055,12 @@ def down_return(
     The GEMM programs compute y = (h @ w_down[g]) * scale per row, f32, over the groups
     `group_sizes_g` ([G], the buffer's padded expert runs: `gmm(h, w_down, group_sizes,
     row_scale_m=scale, out_dtype=f32)`, bit for bit) from h [S, F] (bf16, `dispatch_swiglu`'s)
-    and scale f32 [S] (the routing weights). `copy_programs` of the kernel's programs copy
-    this device's pieces of y back to their sources as `send_rows(y, back, ...)` does, each
-    piece as soon as the row tiles storing its rows have completed: out is the rows every
-    device's `back` copies here (rows of other rounds unspecified), and zeros in `back`'s zero
-    ranges. Call inside `jax.shard_map` over `axis_name`."""
+    and scale f32 [S] (the routing weights). `exchange_programs` of the kernel's programs (None:
+    the tuning table's value, as in `dispatch_swiglu`) copy this device's pieces of y back to
+    their sources as `send_rows(y, back, ...)` does, each piece as soon as the row tiles
+    storing its rows have completed: out is the rows every device's `back` copies here (rows
+    of other rounds unspecified), and zeros in `back`'s zero ranges. Call inside
+    `jax.shard_map` over `axis_name`."""
     num_slots = h_sf.shape[0]
     if h_sf.ndim != 2 or w_down_gfd.ndim != 3 or h_sf.shape[1] != w_down_gfd.shape[1]:
         raise ValueError(f"h {h_sf.shape} must be [S, F] and w_down {w_down_gfd.shape} [G, F, D]")
@@ -1062,7 +1069,7 @@ def down_return(
     y, out, _ = _gemm_return(
         "scaled", h_sf, (w_down_gfd,), ("w_down",), group_sizes_g, back, round_index,
         n=w_down_gfd.shape[2], scale_s=scale_s, sides=(), out_rows=out_rows,
-        axis_name=axis_name, copy_programs=copy_programs, copy_stages=copy_stages,
+        axis_name=axis_name, exchange_programs=exchange_programs, copy_stages=copy_stages,
     )  # fmt: skip
     return y, out
 
@@ -1078,7 +1085,7 @@ def dgrad_return(
     sides: tuple[Array, ...] = (),
     out_rows: int,
     axis_name: str,
-    copy_programs: int = 24,
+    exchange_programs: int | None = None,
     copy_stages: int = 1,
 ) -> tuple[Array, Array, tuple[Array, ...]]:
     """The expert MLP's input gradient of round `round_index` and its return to the rows'
@@ -1106,7 +1113,7 @@ def dgrad_return(
     return _gemm_return(
         "dgrad", d_gate_up_s2f, (w_gate_gdf, w_up_gdf), ("w_gate", "w_up"), group_sizes_g, back,
         round_index, n=w_gate_gdf.shape[1], scale_s=None, sides=sides,
-        out_rows=out_rows, axis_name=axis_name, copy_programs=copy_programs,
+        out_rows=out_rows, axis_name=axis_name, exchange_programs=exchange_programs,
         copy_stages=copy_stages,
     )  # fmt: skip
 
@@ -1125,7 +1132,7 @@ def _gemm_return(
     sides: tuple[Array, ...],
     out_rows: int,
     axis_name: str,
-    copy_programs: int,
+    exchange_programs: int | None,
     copy_stages: int,
 ) -> tuple[Array, Array, tuple[Array, ...]]:
     """`down_return` ("scaled", with scale_s) and `dgrad_return` ("dgrad"): `gemm` (N = n) on
@@ -1145,7 +1152,7 @@ def _gemm_return(
     part_k = lhs_sk.shape[1] // len(weights)
     if part_k % config.block_k:
         raise ValueError(f"each rhs part's K={part_k} must be a multiple of {config.block_k}")
-    programs = _programs(copy_programs)
+    exchange_programs, programs = _programs(exchange_programs)
     # As in the dispatch: whole 8-row tiles, at least block_m rows (rows past S: zeros in lhs,
     # stored by no tile, sliced off); a row scale is read for whole tiles.
     kernel_rows = max(pl.cdiv(num_slots, 8) * 8, config.block_m)
@@ -1167,8 +1174,8 @@ def _gemm_return(
         gemm=gemm,
         packed=packed,
         config=config,
-        gemm_programs=programs - copy_programs,
-        copy_programs=copy_programs,
+        gemm_programs=programs - exchange_programs,
+        exchange_programs=exchange_programs,
         num_sides=len(sides),
         kinds=kinds,
         kind_of=kind_of,
@@ -1221,7 +1228,7 @@ def _forward_kernel(
     swiglu_config,
     down_config,
     gemm_programs: int,
-    copy_programs: int,
+    exchange_programs: int,
     kinds: tuple[tuple[int, jnp.dtype], ...],
     kind_of: tuple[int, ...],
     boxes: tuple[int, ...],
@@ -1262,7 +1269,7 @@ def _forward_kernel(
         pl.semaphore_wait(h_counter(mi), h_signals, decrement=False)
         _async_proxy_fence()  # invariant 6: before the tile's bulk loads of h
 
-    # F2. Programs [copy_programs, copy_programs + gemm_programs) run every gate/up tile of
+    # F2. Programs [exchange_programs, exchange_programs + gemm_programs) run every gate/up tile of
     #     theirs (O2: each once its buffer rows are in; each consumer signals the tile's row
     #     of h once its stores completed), then every down tile of theirs, each once its row
     #     tile of h has every signal (the producer) and once the routing weights of its rows
@@ -1271,10 +1278,10 @@ def _forward_kernel(
     #     for gate/up tiles, which every GEMM program runs before any down tile, and which
     #     wait only for the copies: no cycle, all programs being resident (one a streaming
     #     multiprocessor).
-    @pl.when(program >= copy_programs)
+    @pl.when(program >= exchange_programs)
     def _gemm():
         wait_rows = functools.partial(_wait_tiles, counters, wait_ref, tile)
-        common = dict(programs=gemm_programs, first_program=copy_programs)
+        common = dict(programs=gemm_programs, first_program=exchange_programs)
         gmm_kernel.programs_body(
             "swiglu", schedule_ref, buffer_ref, w_gate_ref, w_up_ref, h_ref,
             config=swiglu_config, before_tile=lambda mi, first, end: wait_rows(first, end),
@@ -1286,15 +1293,15 @@ def _forward_kernel(
             after_tile=lambda mi: _signal(y_counter(mi)), set_registers=False, **common,
         )  # fmt: skip
 
-    # F3. Programs [0, copy_programs) copy, each warpgroup one copier: the dispatch of the rows
+    # F3. Programs [0, exchange_programs) copy, each warpgroup one copier: the dispatch of the rows
     #     and their weights (`_dispatch_copies`), then the return of y (`_return_copies`, each
     #     piece once the row tiles of y storing it have every signal). A copier's dispatch
     #     waits for nothing; its return waits for this device's down tiles and the peers'
     #     copiers, which wait for the dispatch of every device, which all copiers run first.
     num_wg = swiglu_config.num_consumers + 1
-    copiers = copy_programs * num_wg
+    copiers = exchange_programs * num_wg
 
-    @pl.when(program < copy_programs)
+    @pl.when(program < exchange_programs)
     def _copy():
         copier = program * num_wg + lax.axis_index("wg")
         _with_copier_stages(
@@ -1331,7 +1338,7 @@ def dispatch_mlp_return(
     out_rows: int,
     tile: int,
     axis_name: str,
-    copy_programs: int = 24,
+    exchange_programs: int | None = None,
     copy_stages: int = 1,
 ) -> tuple[Array, Array, Array, Array, Array]:
     """The forward of round `round_index` in one kernel: the dispatch, the gate/up GEMMs, the
@@ -1339,12 +1346,13 @@ def dispatch_mlp_return(
     h [out_rows, F], y f32 [out_rows, D], out f32 [A, D]).
 
     `dispatch_swiglu(src, side, moves, ...)` then `down_return(h, side[:, 0], w_down,
-    group_sizes, back, ...)`, bit for bit, in one kernel: copy programs dispatch the rows
-    src [A, D] and their routing weights side f32 [A, C] (column 0; a row a multiple of 16
-    bytes), then return each piece of y to its source's rows as soon as the row tiles
-    storing it are stored; the GEMM programs run each gate/up tile once its buffer rows are
-    in, then each down tile once its row tile of h is stored (every gate/up tile of it),
-    with the weights of the dispatched side in its epilogue. out is the rows every device's
+    group_sizes, back, ...)`, bit for bit, in one kernel: `exchange_programs` copy programs
+    (None: the tuning table's value, as in `dispatch_swiglu`) dispatch the rows src [A, D]
+    and their routing weights side f32 [A, C] (column 0; a row a multiple of 16 bytes), then
+    return each piece of y to its source's rows as soon as the row tiles storing it are
+    stored; the GEMM programs run each gate/up tile once its buffer rows are in, then each
+    down tile once its row tile of h is stored (every gate/up tile of it), with the weights
+    of the dispatched side in its epilogue. out is the rows every device's
     `back` copies here (rows of other rounds unspecified), zeros in `back`'s zero ranges;
     buffer and side rows no copy or zero range fills are unspecified. Call inside
     `jax.shard_map` over `axis_name`. Written in session 17; bitwise equal to the separate
@@ -1387,7 +1395,7 @@ def dispatch_mlp_return(
                              out_itemsize=itemsize, nr=2)  # fmt: skip
     gmm_kernel._check_config(down_config, k=d_ff, n=d_model, itemsize=itemsize, out_itemsize=4,
                              nr=1)  # fmt: skip
-    programs = _programs(copy_programs)
+    exchange_programs, programs = _programs(exchange_programs)
     block_m = swiglu_config.block_m
     # As in the two kernels: whole 8-row tiles, at least block_m rows; the routing weights are
     # read for whole row tiles, so the side has block_m rows more (unfilled: their rows are
@@ -1410,8 +1418,8 @@ def dispatch_mlp_return(
         packed=packed,
         swiglu_config=swiglu_config,
         down_config=down_config,
-        gemm_programs=programs - copy_programs,
-        copy_programs=copy_programs,
+        gemm_programs=programs - exchange_programs,
+        exchange_programs=exchange_programs,
         kinds=kinds,
         kind_of=kind_of,
         boxes=_dispatch_boxes(kinds),

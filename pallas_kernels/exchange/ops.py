@@ -21,18 +21,27 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import typing
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
 from jax import Array, lax
 
-from pallas_kernels.exchange import mosaic_gpu, reference
+from pallas_kernels.exchange import mosaic_gpu, reference, tuning
 from pallas_kernels.exchange.moves import Moves
 from pallas_kernels.grouped_matmul import mosaic_gpu as grouped_kernel
 from pallas_kernels.grouped_matmul import ops as grouped_ops
 
 Implementation = Literal["auto", "mosaic_gpu", "reference"]
+# Which kernels of `dispatch_mlp` (with exchange programs, on a GPU) carry the exchange's copies:
+# "per_gemm", each copy inside the kernel of the GEMM next to it (the forward's dispatch with
+# gate/up, `mosaic_gpu.dispatch_swiglu`; its return with the down projection,
+# `mosaic_gpu.down_return`); "forward", the round's whole forward (dispatch, gate/up, down and
+# return) in one kernel, `mosaic_gpu.dispatch_mlp_return`. The same bits; the backward's
+# kernels are the same with either.
+ExchangeFusion = Literal["per_gemm", "forward"]
+EXCHANGE_FUSIONS: tuple[str, ...] = typing.get_args(ExchangeFusion)
 
 
 def _send(src_ad, moves, round_index, out_rows, axis_name, implementation):
@@ -96,9 +105,9 @@ class _MlpStatic:
     tile: int
     axis_name: str
     recompute: grouped_ops.Recompute
-    copy_programs: int
-    grad_copy_programs: int
-    one_kernel_forward: bool
+    exchange_programs: int
+    grad_exchange_programs: int
+    exchange_fusion: ExchangeFusion
     interpret: bool
 
 
@@ -112,7 +121,7 @@ def _column4(v_n: Array) -> Array:
 def _dispatch_gate_up(static: _MlpStatic, x_nd, scale_n, moves, round_index, w_gate, w_up,
                       group_sizes):  # fmt: skip
     """(buffer [S, D], routing weights [S], h [S, F]) of the round: by the overlapped kernel
-    (copy_programs > 0), by the exchange kernel then gmm_swiglu (0), or with `interpret` (the
+    (exchange_programs > 0), by the exchange kernel then gmm_swiglu (0), or with `interpret` (the
     CPU) by `send_rows` (its spec there) then gmm_swiglu in interpret mode."""
     scale_n4 = _column4(scale_n)
     send = functools.partial(
@@ -140,13 +149,13 @@ def _dispatch_gate_up(static: _MlpStatic, x_nd, scale_n, moves, round_index, w_g
             out_rows=static.out_rows,
             tile=static.tile,
             axis_name=static.axis_name,
-            copy_programs=static.copy_programs,
+            exchange_programs=static.exchange_programs,
         )
 
     if static.interpret:
         run = separate(interpret=True)
     else:
-        run = overlapped if static.copy_programs else separate(interpret=False)
+        run = overlapped if static.exchange_programs else separate(interpret=False)
     buffer, side, h = run(x_nd, scale_n4, moves, round_index, w_gate, w_up, group_sizes)
     return buffer, side[:, 0], h
 
@@ -155,9 +164,9 @@ def _down_return(static: _MlpStatic, h, scale_s, w_down, group_sizes, back, roun
                  num_rows: int):  # fmt: skip
     """The round's results back at their sources, f32 [N, D] (rows of other rounds
     unspecified): the down projection with the weights in its epilogue, then the return along
-    `back`; by the overlapped kernel (copy_programs > 0), by gmm then the exchange kernel (0),
+    `back`; by the overlapped kernel (exchange_programs > 0), by gmm then the exchange kernel (0),
     or with `interpret` by gmm in interpret mode then `send_rows` (its spec on the CPU)."""
-    if static.copy_programs and not static.interpret:
+    if static.exchange_programs and not static.interpret:
         _, out = mosaic_gpu.down_return(
             h,
             scale_s,
@@ -167,7 +176,7 @@ def _down_return(static: _MlpStatic, h, scale_s, w_down, group_sizes, back, roun
             round_index,
             out_rows=num_rows,
             axis_name=static.axis_name,
-            copy_programs=static.copy_programs,
+            exchange_programs=static.exchange_programs,
         )
         return out
     y = grouped_kernel.gmm(
@@ -191,12 +200,12 @@ def _dispatch_mlp(static, x_nd, scale_n, moves, back, round_index, w_gate, w_up,
 
 def _dispatch_mlp_fwd(static, x_nd, scale_n, moves, back, round_index, w_gate, w_up, w_down,
                       group_sizes):  # fmt: skip
-    if static.one_kernel_forward and static.copy_programs and not static.interpret:
+    if static.exchange_fusion == "forward" and static.exchange_programs and not static.interpret:
         # The round's whole forward in one kernel: the same bits as the two below.
         *_, out = mosaic_gpu.dispatch_mlp_return(
             x_nd, _column4(scale_n), moves, back, round_index, w_gate, w_up, w_down,
             group_sizes, out_rows=static.out_rows, tile=static.tile,
-            axis_name=static.axis_name, copy_programs=static.copy_programs,
+            axis_name=static.axis_name, exchange_programs=static.exchange_programs,
         )  # fmt: skip
     else:
         _, scale_s, h = _dispatch_gate_up(
@@ -217,7 +226,7 @@ def _grads_at_buffers(static: _MlpStatic, d_out, residuals):
     return's gradient: each slot's cotangent from its row; zeros in the slots no row fills,
     the dispatch's zero ranges).
 
-    With grad_copy_programs > 0 (recompute "gmm") the three travel inside the first backward
+    With grad_exchange_programs > 0 (recompute "gmm") the three travel inside the first backward
     GEMM's kernel (`mosaic_gpu.dispatch_down_grad`): d_out as the GEMMs read it, rounded, x
     and the weights as the forward's dispatch sends them; at the buffer, d_out times its
     row's weight (for d_w_down) is formed from the rounded rows (`scaled_cotangent`, as
@@ -229,7 +238,7 @@ def _grads_at_buffers(static: _MlpStatic, d_out, residuals):
         _send, out_rows=static.out_rows, axis_name=static.axis_name, implementation="auto"
     )
     scale_n4 = _column4(scale_n)
-    if static.grad_copy_programs and static.recompute == "gmm":
+    if static.grad_exchange_programs and static.recompute == "gmm":
         dy_c = d_out.astype(x_nd.dtype)
         if static.interpret:
             # The CPU: the kernel's spec, the copies by `send_rows` (its reference there) and the
@@ -249,7 +258,7 @@ def _grads_at_buffers(static: _MlpStatic, d_out, residuals):
                 out_rows=static.out_rows,
                 tile=static.tile,
                 axis_name=static.axis_name,
-                copy_programs=static.grad_copy_programs,
+                exchange_programs=static.grad_exchange_programs,
             )
         scale_s = scale_s4[:, 0]
         return grouped_ops.swiglu_mlp_grads_from_g(
@@ -277,11 +286,11 @@ def _dgrad_return(static: _MlpStatic, d_gate_up, d_scale_s, w_gate, w_up, group_
     """The round's rows' gradients at their sources, (d_x [N, D], d_scale f32 [N]) (rows of
     other rounds unspecified): d_buffer = `swiglu_input_grad(d_gate_up, ...)`, then its return
     along `back` with the weights' gradient d_scale_s [S]; by the overlapped kernel
-    (grad_copy_programs > 0: `mosaic_gpu.dgrad_return`, d_scale as its side), by the gmm then
+    (grad_exchange_programs > 0: `mosaic_gpu.dgrad_return`, d_scale as its side), by the gmm then
     the exchange kernel for each (0), or with `interpret` by the gmm in interpret mode then
     `send_rows` (its spec on the CPU)."""
     d_scale_s4 = _column4(d_scale_s)
-    if static.grad_copy_programs and not static.interpret:
+    if static.grad_exchange_programs and not static.interpret:
         _, d_x, (d_scale4,) = mosaic_gpu.dgrad_return(
             d_gate_up,
             w_gate,
@@ -292,7 +301,7 @@ def _dgrad_return(static: _MlpStatic, d_gate_up, d_scale_s, w_gate, w_up, group_
             sides=(d_scale_s4,),
             out_rows=num_rows,
             axis_name=static.axis_name,
-            copy_programs=static.grad_copy_programs,
+            exchange_programs=static.grad_exchange_programs,
         )
         return d_x, d_scale4[:, 0]
     d_buffer = grouped_ops.swiglu_input_grad(
@@ -337,9 +346,9 @@ def dispatch_mlp(
     tile: int,
     axis_name: str,
     recompute: grouped_ops.Recompute = "gmm",
-    copy_programs: int = 24,
-    grad_copy_programs: int | None = None,
-    one_kernel_forward: bool = False,
+    exchange_programs: int | None = None,
+    grad_exchange_programs: int | None = None,
+    exchange_fusion: ExchangeFusion = "per_gemm",
     interpret: bool = False,
 ) -> Array:
     """Round `round_index` of the exchange and the expert MLP: this device's rows x [N, D] with
@@ -351,35 +360,42 @@ def dispatch_mlp(
     grouped by `group_sizes_g` ([G], the padded expert runs), go through
     `grouped_ops.swiglu_mlp` with the weights as its row scale; the results come back as
     `send_rows(y, back, moves, ...)` returns them. Values and gradients are those of these
-    three, bit for bit. With copy_programs > 0 the dispatch runs inside the first GEMMs'
+    three, bit for bit. With exchange_programs > 0 the dispatch runs inside the first GEMMs'
     kernel (`mosaic_gpu.dispatch_swiglu`: that many of its programs copy while the others
     compute each tile as soon as its rows are in) and the return inside the down
     projection's (`mosaic_gpu.down_return`: each piece leaves as soon as its rows are
-    stored); with 0 both are kernels of their own. With `interpret` (for the CPU) the copies
-    are `send_rows` (there its spec, reference.py) and the GEMMs run in Mosaic GPU's interpret
-    mode.
+    stored); with 0 both are kernels of their own. exchange_programs None: the tuning table's
+    value for this device (`tuning.default_exchange_programs`). With `interpret` (for the CPU)
+    the copies are `send_rows` (there its spec, reference.py) and the GEMMs run in Mosaic
+    GPU's interpret mode.
 
-    grad_copy_programs (None: copy_programs) does the same for the backward, which saves x,
-    not the buffer, and dispatches it again: with recompute "gmm" and grad_copy_programs > 0
-    the rows, their weights and the results' cotangent travel to the buffers inside the
-    kernel of the first backward GEMM (`mosaic_gpu.dispatch_down_grad`); with 0, or
-    recompute "kernel" (whose first GEMM also recomputes gate and up), in kernels of their
-    own. With grad_copy_programs > 0 the rows' gradient returns to them inside the kernel of
-    the GEMM that computes it, with the routing weights' gradient (`mosaic_gpu.dgrad_return`,
-    either recompute).
+    grad_exchange_programs (None: exchange_programs) does the same for the backward, which
+    saves x, not the buffer, and dispatches it again: with recompute "gmm" and
+    grad_exchange_programs > 0 the rows, their weights and the results' cotangent travel to
+    the buffers inside the kernel of the first backward GEMM (`mosaic_gpu.dispatch_down_grad`);
+    with 0, or recompute "kernel" (whose first GEMM also recomputes gate and up), in kernels
+    of their own. With grad_exchange_programs > 0 the rows' gradient returns to them inside
+    the kernel of the GEMM that computes it, with the routing weights' gradient
+    (`mosaic_gpu.dgrad_return`, either recompute).
 
-    one_kernel_forward (with copy_programs > 0, on a GPU): the forward's dispatch, GEMMs and
-    return in one kernel (`mosaic_gpu.dispatch_mlp_return`, the same bits: its GPU twins
-    on one H200, session 19)."""
-    grad_copy_programs = copy_programs if grad_copy_programs is None else grad_copy_programs
-    if copy_programs < 0 or grad_copy_programs < 0:
-        raise ValueError(f"copy_programs={copy_programs} and grad_copy_programs="
-                         f"{grad_copy_programs} must be >= 0")  # fmt: skip
+    exchange_fusion (`ExchangeFusion`): "forward" (with exchange_programs > 0, on a GPU) runs
+    the forward's dispatch, GEMMs and return in one kernel (`mosaic_gpu.dispatch_mlp_return`,
+    the same bits: its GPU twins on one H200, session 19); "per_gemm", or exchange_programs
+    0, as above."""
+    if exchange_programs is None:
+        exchange_programs = tuning.default_exchange_programs()
+    if grad_exchange_programs is None:
+        grad_exchange_programs = exchange_programs
+    if exchange_programs < 0 or grad_exchange_programs < 0:
+        raise ValueError(f"{exchange_programs=} and {grad_exchange_programs=} must be >= 0")
     if recompute not in grouped_ops.RECOMPUTES:
         raise ValueError(f"recompute={recompute!r} must be one of {grouped_ops.RECOMPUTES}")
+    if exchange_fusion not in EXCHANGE_FUSIONS:
+        raise ValueError(f"exchange_fusion={exchange_fusion!r} must be one of {EXCHANGE_FUSIONS}")
     static = _MlpStatic(out_rows=out_rows, tile=tile, axis_name=axis_name, recompute=recompute,
-                        copy_programs=copy_programs, grad_copy_programs=grad_copy_programs,
-                        one_kernel_forward=one_kernel_forward, interpret=interpret)  # fmt: skip
+                        exchange_programs=exchange_programs,
+                        grad_exchange_programs=grad_exchange_programs,
+                        exchange_fusion=exchange_fusion, interpret=interpret)  # fmt: skip
     # As swiglu_mlp does: every operand varies over the mesh axes any of them varies over (an
     # operand made to vary gets its gradient summed over those axes).
     x_nd, scale_n, w_gate_gdf, w_up_gdf, w_down_gfd, group_sizes_g = grouped_ops.vary_alike(

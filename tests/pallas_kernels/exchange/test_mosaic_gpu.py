@@ -493,11 +493,11 @@ def round_tables(counts_se, round_index, num_local, num_rows, window, tile):
     return dispatch, back, group_sizes
 
 
-def dispatch_swiglu_fn(num_local, num_rows, window, tile, *, copy_programs: int,
+def dispatch_swiglu_fn(num_local, num_rows, window, tile, *, exchange_programs: int,
                        copy_stages: int = 1):  # fmt: skip
     """(x [EP * N, D], scale [EP * N, 4], w_gate, w_up [EP * G, D, F], counts [EP, E], round [])
     -> (buffer [EP * S, D], side [EP * S, 4], h [EP * S, F]) inside shard_map: the round's
-    dispatch and gate/up by the overlapped kernel (copy_programs > 0), or by `send_rows` then
+    dispatch and gate/up by the overlapped kernel (exchange_programs > 0), or by `send_rows` then
     `gmm_swiglu` (0)."""
     from pallas_kernels.grouped_matmul import mosaic_gpu as grouped
 
@@ -506,10 +506,11 @@ def dispatch_swiglu_fn(num_local, num_rows, window, tile, *, copy_programs: int,
     def body(x, side, w_gate, w_up, counts_se, round_index):
         dispatch, _, group_sizes = round_tables(counts_se, round_index, num_local, num_rows,
                                                 window, tile)  # fmt: skip
-        if copy_programs:
+        if exchange_programs:
             return mosaic_gpu.dispatch_swiglu(
                 x, side, dispatch, round_index, w_gate, w_up, group_sizes, out_rows=slots,
-                tile=tile, axis_name=AXIS, copy_programs=copy_programs, copy_stages=copy_stages,
+                tile=tile, axis_name=AXIS, exchange_programs=exchange_programs,
+                copy_stages=copy_stages,
             )  # fmt: skip
         send = functools.partial(mosaic_gpu.send_rows, axis_name=AXIS, out_rows=slots)
         buf = send(x, dispatch, round_index)
@@ -541,7 +542,7 @@ def test_dispatch_swiglu_lowers_for_cuda_inside_shard_map_on_8_devices(copy_stag
     num_devices, num_local, num_rows, window, tile = 8, 4, 512, 640, 64
     d_model, d_ff = 2048, 768
     mesh = jax.make_mesh((num_devices,), (AXIS,))
-    body, _ = dispatch_swiglu_fn(num_local, num_rows, window, tile, copy_programs=16,
+    body, _ = dispatch_swiglu_fn(num_local, num_rows, window, tile, exchange_programs=16,
                                  copy_stages=copy_stages)  # fmt: skip
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS),) * 4 + (P(), P()),
                                out_specs=(P(AXIS),) * 3))  # fmt: skip
@@ -566,10 +567,10 @@ def test_dispatch_swiglu_lowers_for_cuda_inside_shard_map_on_8_devices(copy_stag
     assert_fences(text, fenced=True)
     # Every program copying (no GEMM program left), or more programs than SMs: refused.
     for programs in (132, 500):
-        bad, _ = dispatch_swiglu_fn(num_local, num_rows, window, tile, copy_programs=programs)
+        bad, _ = dispatch_swiglu_fn(num_local, num_rows, window, tile, exchange_programs=programs)
         bad = jax.jit(jax.shard_map(bad, mesh=mesh, in_specs=(P(AXIS),) * 4 + (P(), P()),
                                     out_specs=(P(AXIS),) * 3))  # fmt: skip
-        with pytest.raises(ValueError, match="copy_programs"):
+        with pytest.raises(ValueError, match="exchange_programs"):
             bad.trace(*args)
 
 
@@ -671,12 +672,12 @@ def test_overlapped_waits_cover_every_stored_row(
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "num_local,num_rows,window,tile,copy_programs,copy_stages",
+    "num_local,num_rows,window,tile,exchange_programs,copy_stages",
     [(4, 4096, 3072, 64, 16, 1), (3, 200, 96, 8, 1, 1), (8, 4096, 6144, 64, 64, 1),
      (4, 4096, 3072, 64, 16, 2), (3, 200, 96, 8, 1, 4)],
 )  # fmt: skip
 def test_gpu_dispatch_swiglu_gives_the_bits_of_the_separate_kernels(
-    num_local, num_rows, window, tile, copy_programs, copy_stages
+    num_local, num_rows, window, tile, exchange_programs, copy_stages
 ):
     """The overlapped kernel's buffer, weights and h are those of send_rows then gmm_swiglu,
     bit for bit, in every slot the dispatch specifies (filled or zeroed) and, for h, in every
@@ -690,9 +691,9 @@ def test_gpu_dispatch_swiglu_gives_the_bits_of_the_separate_kernels(
     specs = dict(mesh=mesh, in_specs=(P(AXIS),) * 4 + (P(), P()), out_specs=(P(AXIS),) * 3)
     runs = [
         jax.jit(jax.shard_map(dispatch_swiglu_fn(num_local, num_rows, window, tile,
-                                                 copy_programs=c, copy_stages=copy_stages)[0],
+                                                 exchange_programs=c, copy_stages=copy_stages)[0],
                               **specs))
-        for c in (copy_programs, 0)
+        for c in (exchange_programs, 0)
     ]  # fmt: skip
     put = lambda a: jax.device_put(jnp.asarray(a), jax.NamedSharding(mesh, P()))  # noqa: E731
     for r in range(rounds):
@@ -716,12 +717,12 @@ def assert_specified_equal(got, want, specified) -> None:
 # The backward's dispatch overlapped with its first GEMM (`dispatch_down_grad`).
 
 
-def dispatch_down_grad_fn(num_local, num_rows, window, tile, *, copy_programs: int,
+def dispatch_down_grad_fn(num_local, num_rows, window, tile, *, exchange_programs: int,
                           copy_stages: int = 1):  # fmt: skip
     """(w_down [EP * G, F, D], counts [EP, E], round [], dy [EP * N, D], *sides [EP * N, C])
     -> (dy [EP * S, D], sides [EP * S, C], g f32 [EP * S, F]) inside shard_map: the round's
     dispatch of the cotangent (and its sides) and g = dy @ w_down[g].T by the overlapped
-    kernel (copy_programs > 0), or by `send_rows` for each then the transposed gmm (0)."""
+    kernel (exchange_programs > 0), or by `send_rows` for each then the transposed gmm (0)."""
     from pallas_kernels.grouped_matmul import mosaic_gpu as grouped
 
     slots = xp.num_tiles(window, tile, num_local) * tile
@@ -729,10 +730,11 @@ def dispatch_down_grad_fn(num_local, num_rows, window, tile, *, copy_programs: i
     def body(w_down, counts_se, round_index, dy, *sides):
         dispatch, _, group_sizes = round_tables(counts_se, round_index, num_local, num_rows,
                                                 window, tile)  # fmt: skip
-        if copy_programs:
+        if exchange_programs:
             return mosaic_gpu.dispatch_down_grad(
                 dy, sides, dispatch, round_index, w_down, group_sizes, out_rows=slots,
-                tile=tile, axis_name=AXIS, copy_programs=copy_programs, copy_stages=copy_stages,
+                tile=tile, axis_name=AXIS, exchange_programs=exchange_programs,
+                copy_stages=copy_stages,
             )  # fmt: skip
         send = functools.partial(mosaic_gpu.send_rows, axis_name=AXIS, out_rows=slots)
         buf = send(dy, dispatch, round_index)
@@ -782,7 +784,7 @@ def test_dispatch_down_grad_lowers_for_cuda_inside_shard_map_on_8_devices(copy_s
     d_model, d_ff = 2048, 768
     mesh = jax.make_mesh((num_devices,), (AXIS,))
     specs = dispatch_down_grad_specs(mesh, num_sides=3)
-    body, slots = dispatch_down_grad_fn(num_local, num_rows, window, tile, copy_programs=16,
+    body, slots = dispatch_down_grad_fn(num_local, num_rows, window, tile, exchange_programs=16,
                                         copy_stages=copy_stages)  # fmt: skip
     sharded = lambda shape, dtype, spec: jax.ShapeDtypeStruct(  # noqa: E731
         shape, dtype, sharding=jax.NamedSharding(mesh, spec)
@@ -821,12 +823,12 @@ def test_dispatch_down_grad_lowers_for_cuda_inside_shard_map_on_8_devices(copy_s
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "num_local,num_rows,window,tile,copy_programs,num_sides,copy_stages",
+    "num_local,num_rows,window,tile,exchange_programs,num_sides,copy_stages",
     [(4, 4096, 3072, 64, 16, 1, 1), (4, 4096, 3072, 64, 16, 3, 1), (3, 200, 96, 8, 1, 3, 1),
      (8, 4096, 6144, 64, 64, 3, 1), (3, 200, 96, 8, 1, 3, 4)],
 )  # fmt: skip
 def test_gpu_dispatch_down_grad_gives_the_bits_of_the_separate_kernels(
-    num_local, num_rows, window, tile, copy_programs, num_sides, copy_stages
+    num_local, num_rows, window, tile, exchange_programs, num_sides, copy_stages
 ):
     """The overlapped kernel's dy, its sides (three arrays in two kinds of stage: two bf16
     [A, D], the layer's x among them, and the weights) and g are those of send_rows (for
@@ -841,10 +843,10 @@ def test_gpu_dispatch_down_grad_gives_the_bits_of_the_separate_kernels(
     specs = dispatch_down_grad_specs(mesh, num_sides)
     runs = [
         jax.jit(jax.shard_map(
-            dispatch_down_grad_fn(num_local, num_rows, window, tile, copy_programs=c,
+            dispatch_down_grad_fn(num_local, num_rows, window, tile, exchange_programs=c,
                                   copy_stages=copy_stages)[0], **specs
         ))
-        for c in (copy_programs, 0)
+        for c in (exchange_programs, 0)
     ]  # fmt: skip
     put = lambda a: jax.device_put(jnp.asarray(a), jax.NamedSharding(mesh, P()))  # noqa: E731
     for r in range(rounds):
@@ -860,11 +862,11 @@ def test_gpu_dispatch_down_grad_gives_the_bits_of_the_separate_kernels(
 # The down projection overlapped with the return (`down_return`).
 
 
-def down_return_fn(num_local, num_rows, window, tile, *, copy_programs: int,
+def down_return_fn(num_local, num_rows, window, tile, *, exchange_programs: int,
                    copy_stages: int = 1):  # fmt: skip
     """(h [EP * S, F], scale [EP * S], w_down [EP * G, F, D], counts [EP, E], round []) ->
     (y [EP * S, D], out [EP * N, D]) inside shard_map: the round's down projection and return
-    by the overlapped kernel (copy_programs > 0), or by gmm then `send_rows` (0)."""
+    by the overlapped kernel (exchange_programs > 0), or by gmm then `send_rows` (0)."""
     from pallas_kernels.grouped_matmul import mosaic_gpu as grouped
 
     slots = xp.num_tiles(window, tile, num_local) * tile
@@ -872,10 +874,10 @@ def down_return_fn(num_local, num_rows, window, tile, *, copy_programs: int,
     def body(h, scale, w_down, counts_se, round_index):
         _, back, group_sizes = round_tables(counts_se, round_index, num_local, num_rows,
                                             window, tile)  # fmt: skip
-        if copy_programs:
+        if exchange_programs:
             return mosaic_gpu.down_return(
                 h, scale, w_down, group_sizes, back, round_index, out_rows=num_rows,
-                axis_name=AXIS, copy_programs=copy_programs, copy_stages=copy_stages,
+                axis_name=AXIS, exchange_programs=exchange_programs, copy_stages=copy_stages,
             )  # fmt: skip
         y = grouped.gmm(h, w_down, group_sizes, row_scale_m=scale, out_dtype=jnp.float32)
         y = mosaic_gpu._like(y, h)
@@ -917,7 +919,7 @@ def test_down_return_lowers_for_cuda_inside_shard_map_on_8_devices(copy_stages):
     num_devices, num_local, num_rows, window, tile = 8, 4, 512, 640, 64
     d_model, d_ff = 2048, 768
     mesh = jax.make_mesh((num_devices,), (AXIS,))
-    body, slots = down_return_fn(num_local, num_rows, window, tile, copy_programs=16,
+    body, slots = down_return_fn(num_local, num_rows, window, tile, exchange_programs=16,
                                  copy_stages=copy_stages)  # fmt: skip
     specs = dict(mesh=mesh, in_specs=(P(AXIS),) * 3 + (P(), P()), out_specs=(P(AXIS),) * 2)
     fn = jax.jit(jax.shard_map(body, **specs))
@@ -942,9 +944,9 @@ def test_down_return_lowers_for_cuda_inside_shard_map_on_8_devices(copy_stages):
     assert_no_operand_can_share_the_counters(text)
     assert_fences(text, fenced=True)
     for programs in (132, 500):
-        bad, _ = down_return_fn(num_local, num_rows, window, tile, copy_programs=programs)
+        bad, _ = down_return_fn(num_local, num_rows, window, tile, exchange_programs=programs)
         bad = jax.jit(jax.shard_map(bad, **specs))
-        with pytest.raises(ValueError, match="copy_programs"):
+        with pytest.raises(ValueError, match="exchange_programs"):
             bad.trace(*args)
     # The GEMM's inputs are checked as gmm checks them: w_down of another dtype, and an F that
     # is no multiple of the tiles' block_k (its last K step would be dropped).
@@ -1002,12 +1004,12 @@ def test_return_waits_are_the_row_tiles_that_store_each_piece(
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "num_local,num_rows,window,tile,copy_programs,copy_stages",
+    "num_local,num_rows,window,tile,exchange_programs,copy_stages",
     [(4, 4096, 3072, 64, 16, 1), (3, 200, 96, 8, 1, 1), (8, 4096, 6144, 64, 64, 1),
      (4, 4096, 3072, 64, 16, 2), (3, 200, 96, 8, 1, 4)],
 )  # fmt: skip
 def test_gpu_down_return_gives_the_bits_of_the_separate_kernels(
-    num_local, num_rows, window, tile, copy_programs, copy_stages
+    num_local, num_rows, window, tile, exchange_programs, copy_stages
 ):
     """The overlapped kernel's y (every slot) and returned rows (every row of the round, on
     every device) are those of gmm then send_rows, bit for bit, round by round, with few copy
@@ -1022,9 +1024,9 @@ def test_gpu_down_return_gives_the_bits_of_the_separate_kernels(
     specs = dict(mesh=mesh, in_specs=(P(AXIS),) * 3 + (P(), P()), out_specs=(P(AXIS),) * 2)
     runs = [
         jax.jit(jax.shard_map(down_return_fn(num_local, num_rows, window, tile,
-                                             copy_programs=c, copy_stages=copy_stages)[0],
+                                             exchange_programs=c, copy_stages=copy_stages)[0],
                               **specs))
-        for c in (copy_programs, 0)
+        for c in (exchange_programs, 0)
     ]  # fmt: skip
     put = lambda a: jax.device_put(jnp.asarray(a), jax.NamedSharding(mesh, P()))  # noqa: E731
     for r in range(rounds):
@@ -1042,11 +1044,11 @@ def test_gpu_down_return_gives_the_bits_of_the_separate_kernels(
 # The input gradient overlapped with its return (`dgrad_return`).
 
 
-def dgrad_return_fn(num_local, num_rows, window, tile, *, copy_programs: int):
+def dgrad_return_fn(num_local, num_rows, window, tile, *, exchange_programs: int):
     """(d_gate_up [EP * S, 2F], w_gate, w_up [EP * G, D, F], counts [EP, E], round [], *sides
     [EP * S, C]) -> (d_buffer [EP * S, D], d_x [EP * N, D], sides back [EP * N, C]) inside
     shard_map: the round's input gradient and its return (with the sides') by the overlapped
-    kernel (copy_programs > 0), or by the transposed gmm over the two weights then
+    kernel (exchange_programs > 0), or by the transposed gmm over the two weights then
     `send_rows` for each (0)."""
     from pallas_kernels.grouped_matmul import mosaic_gpu as grouped
 
@@ -1055,10 +1057,10 @@ def dgrad_return_fn(num_local, num_rows, window, tile, *, copy_programs: int):
     def body(d_gate_up, w_gate, w_up, counts_se, round_index, *sides):
         _, back, group_sizes = round_tables(counts_se, round_index, num_local, num_rows,
                                             window, tile)  # fmt: skip
-        if copy_programs:
+        if exchange_programs:
             return mosaic_gpu.dgrad_return(
                 d_gate_up, w_gate, w_up, group_sizes, back, round_index, sides=sides,
-                out_rows=num_rows, axis_name=AXIS, copy_programs=copy_programs,
+                out_rows=num_rows, axis_name=AXIS, exchange_programs=exchange_programs,
             )  # fmt: skip
         d_buffer = grouped.gmm(d_gate_up, (w_gate, w_up), group_sizes, transpose_rhs=True)
         d_buffer = mosaic_gpu._like(d_buffer, d_gate_up)
@@ -1097,7 +1099,7 @@ def test_dgrad_return_lowers_for_cuda_inside_shard_map_on_8_devices():
     num_devices, num_local, num_rows, window, tile = 8, 4, 512, 640, 64
     d_model, d_ff = 2048, 768
     mesh = jax.make_mesh((num_devices,), (AXIS,))
-    body, slots = dgrad_return_fn(num_local, num_rows, window, tile, copy_programs=16)
+    body, slots = dgrad_return_fn(num_local, num_rows, window, tile, exchange_programs=16)
     fn = jax.jit(jax.shard_map(body, **dgrad_return_specs(mesh, num_sides=1)))
     sharded = lambda shape, dtype, spec: jax.ShapeDtypeStruct(  # noqa: E731
         shape, dtype, sharding=jax.NamedSharding(mesh, spec)
@@ -1136,11 +1138,11 @@ def test_dgrad_return_lowers_for_cuda_inside_shard_map_on_8_devices():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "num_local,num_rows,window,tile,copy_programs",
+    "num_local,num_rows,window,tile,exchange_programs",
     [(4, 4096, 3072, 64, 16), (3, 200, 96, 8, 1), (8, 4096, 6144, 64, 64)],
 )
 def test_gpu_dgrad_return_gives_the_bits_of_the_separate_kernels(
-    num_local, num_rows, window, tile, copy_programs
+    num_local, num_rows, window, tile, exchange_programs
 ):
     """The overlapped kernel's input gradient (every slot) and returned rows with their side
     (the layer's routing weights' gradient; every row of the round, on every device) are
@@ -1155,9 +1157,9 @@ def test_gpu_dgrad_return_gives_the_bits_of_the_separate_kernels(
     specs = dgrad_return_specs(mesh, num_sides=1)
     runs = [
         jax.jit(jax.shard_map(
-            dgrad_return_fn(num_local, num_rows, window, tile, copy_programs=c)[0], **specs
+            dgrad_return_fn(num_local, num_rows, window, tile, exchange_programs=c)[0], **specs
         ))
-        for c in (copy_programs, 0)
+        for c in (exchange_programs, 0)
     ]  # fmt: skip
     put = lambda a: jax.device_put(jnp.asarray(a), jax.NamedSharding(mesh, P()))  # noqa: E731
     for r in range(rounds):
@@ -1175,11 +1177,11 @@ def test_gpu_dgrad_return_gives_the_bits_of_the_separate_kernels(
 # The forward of a round in one kernel (`dispatch_mlp_return`).
 
 
-def forward_fn(num_local, num_rows, window, tile, *, copy_programs: int, copy_stages: int = 1):
+def forward_fn(num_local, num_rows, window, tile, *, exchange_programs: int, copy_stages: int = 1):
     """(x [EP * N, D], side [EP * N, 4], w_gate, w_up [EP * G, D, F], w_down [EP * G, F, D],
     counts [EP, E], round []) -> (buffer [EP * S, D], side [EP * S, 4], h [EP * S, F], y f32
     [EP * S, D], out f32 [EP * N, D]) inside shard_map: the round's forward in one kernel
-    (copy_programs > 0), or by send_rows, gmm_swiglu, the scaled gmm and send_rows (0)."""
+    (exchange_programs > 0), or by send_rows, gmm_swiglu, the scaled gmm and send_rows (0)."""
     from pallas_kernels.grouped_matmul import mosaic_gpu as grouped
 
     slots = xp.num_tiles(window, tile, num_local) * tile
@@ -1187,10 +1189,10 @@ def forward_fn(num_local, num_rows, window, tile, *, copy_programs: int, copy_st
     def body(x, side, w_gate, w_up, w_down, counts_se, round_index):
         dispatch, back, group_sizes = round_tables(counts_se, round_index, num_local, num_rows,
                                                    window, tile)  # fmt: skip
-        if copy_programs:
+        if exchange_programs:
             return mosaic_gpu.dispatch_mlp_return(
                 x, side, dispatch, back, round_index, w_gate, w_up, w_down, group_sizes,
-                out_rows=slots, tile=tile, axis_name=AXIS, copy_programs=copy_programs,
+                out_rows=slots, tile=tile, axis_name=AXIS, exchange_programs=exchange_programs,
                 copy_stages=copy_stages,
             )  # fmt: skip
         send = functools.partial(mosaic_gpu.send_rows, axis_name=AXIS)
@@ -1227,7 +1229,7 @@ def test_dispatch_mlp_return_lowers_for_cuda_inside_shard_map_on_8_devices(copy_
     num_devices, num_local, num_rows, window, tile = 8, 4, 512, 640, 64
     d_model, d_ff = 2048, 768
     mesh = jax.make_mesh((num_devices,), (AXIS,))
-    body, slots = forward_fn(num_local, num_rows, window, tile, copy_programs=16,
+    body, slots = forward_fn(num_local, num_rows, window, tile, exchange_programs=16,
                              copy_stages=copy_stages)  # fmt: skip
     fn = jax.jit(jax.shard_map(body, mesh=mesh, **FORWARD_SPECS))
     sharded = lambda shape, dtype, spec: jax.ShapeDtypeStruct(  # noqa: E731
@@ -1261,9 +1263,9 @@ def test_dispatch_mlp_return_lowers_for_cuda_inside_shard_map_on_8_devices(copy_
     assert_no_operand_can_share_the_counters(text)
     assert_fences(text, fenced=True)
     for programs in (132, 500):
-        bad, _ = forward_fn(num_local, num_rows, window, tile, copy_programs=programs)
+        bad, _ = forward_fn(num_local, num_rows, window, tile, exchange_programs=programs)
         bad = jax.jit(jax.shard_map(bad, mesh=mesh, **FORWARD_SPECS))
-        with pytest.raises(ValueError, match="copy_programs"):
+        with pytest.raises(ValueError, match="exchange_programs"):
             bad.trace(*args)
     # Weights in bf16 with a side in bf16, or a w_down of another width: refused.
     with pytest.raises(ValueError, match="must be f32"):
@@ -1275,12 +1277,12 @@ def test_dispatch_mlp_return_lowers_for_cuda_inside_shard_map_on_8_devices(copy_
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "num_local,num_rows,window,tile,copy_programs,copy_stages",
+    "num_local,num_rows,window,tile,exchange_programs,copy_stages",
     [(4, 4096, 3072, 64, 16, 1), (3, 200, 96, 8, 1, 1), (8, 4096, 6144, 64, 64, 1),
      (4, 4096, 3072, 64, 24, 4)],
 )  # fmt: skip
 def test_gpu_dispatch_mlp_return_gives_the_bits_of_the_separate_kernels(
-    num_local, num_rows, window, tile, copy_programs, copy_stages
+    num_local, num_rows, window, tile, exchange_programs, copy_stages
 ):
     """The forward in one kernel gives the bits of send_rows, gmm_swiglu, the scaled gmm and
     send_rows: the buffer and the weights in every slot the dispatch specifies, h and y in
@@ -1292,10 +1294,10 @@ def test_gpu_dispatch_mlp_return_gives_the_bits_of_the_separate_kernels(
     t = exchange.traffic(jnp.asarray(counts_se), num_local)
     rounds = int(exchange.window_rounds(t, window))
     runs = [
-        jax.jit(jax.shard_map(forward_fn(num_local, num_rows, window, tile, copy_programs=c,
+        jax.jit(jax.shard_map(forward_fn(num_local, num_rows, window, tile, exchange_programs=c,
                                          copy_stages=copy_stages)[0],
                               mesh=mesh, **FORWARD_SPECS))
-        for c in (copy_programs, 0)
+        for c in (exchange_programs, 0)
     ]  # fmt: skip
     put = lambda a: jax.device_put(jnp.asarray(a), jax.NamedSharding(mesh, P()))  # noqa: E731
     for r in range(rounds):
