@@ -48,7 +48,9 @@ from bench.moe_layer_h200 import LayerShape
 from mok_jax import MoEConfig, init_params, moe
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-# fused_gate_up: implementation "fused" with fused_residuals="gate_up" (h, gate and up kept).
+# fused: implementation "fused" with options.residuals "inputs" (the backward recomputes gate and
+# up; set, not "auto", whose choice depends on the target's memory); fused_gate_up: the same with
+# residuals "gate_up" (h, gate and up kept).
 IMPLEMENTATIONS = ("xla", "pallas", "fused", "fused_gate_up")
 BASELINE = "xla"
 # issue 5's three layers (the Zipf-routed qwen3 has qwen3's residual shapes: dropless).
@@ -222,8 +224,12 @@ def measure(cfg: MoEConfig, tokens: int) -> dict:
 
 
 def shape_config(shape: LayerShape, implementation: str) -> MoEConfig:
-    if implementation == "fused_gate_up":
-        return dataclasses.replace(shape.config("fused"), fused_residuals="gate_up")
+    if implementation in ("fused", "fused_gate_up"):
+        cfg = shape.config("fused")
+        residuals = "gate_up" if implementation == "fused_gate_up" else "inputs"
+        return dataclasses.replace(
+            cfg, options=dataclasses.replace(cfg.options, residuals=residuals)
+        )
     return shape.config(implementation)
 
 

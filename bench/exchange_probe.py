@@ -18,9 +18,11 @@ Probes (one device, one mesh axis of size 1 where shard_map is used):
                    backward's input gradient and its return (`dgrad_return` against gmm
                    then send_rows); each at each of --copy-stages (the copiers' pipelining)
   layer            `fused` at qwen3_30b_a3b (4096 tokens) on a 1-device mesh (the exchange's
-                   kernels, one round) at each of --tiles (exchange_tile), --programs
-                   (exchange_programs) and --fusions (exchange_fusion; "forward": the
-                   forward in one kernel) against `fused` without a mesh: y and dx bitwise,
+                   kernels, one round) at each of --tiles (options.exchange_tile), --programs
+                   (options.exchange_programs) and --fusions (options.exchange_fusion;
+                   "forward": the forward in one kernel) against `fused` without a mesh, both
+                   with residuals "inputs" (the mesh's backward recomputes each round's
+                   forward; "auto" would keep gate and up without it): y and dx bitwise,
                    forward and forward+backward (y and the gradients) timed, and
                    forward+backward's Mosaic GPU kernels counted in XLA's optimized HLO;
                    parameters in --param-dtype (float32, the default, as in sessions 15-19;
@@ -317,10 +319,13 @@ def _layer(
     import jax
     import jax.numpy as jnp
 
-    from mok_jax import make_mesh, moe, presets
+    from mok_jax import MoEOptions, make_mesh, moe, presets
     from tests.mok_jax.cases import random_inputs
 
-    base = dataclasses.replace(presets["qwen3_30b_a3b"], implementation="fused")
+    # Residuals "inputs" without the mesh too, so that both backward passes recompute gate and up.
+    base = dataclasses.replace(
+        presets["qwen3_30b_a3b"], implementation="fused", options=MoEOptions(residuals="inputs")
+    )
     x, params, cotangent = random_inputs(base, 4096, 0)
     params = jax.tree.map(lambda a: a.astype(param_dtype), params)
     mesh = make_mesh("expert", devices=jax.devices()[:1])
@@ -332,8 +337,9 @@ def _layer(
     runs = [("no_mesh", None, base)]
     runs += [
         (f"mesh_1_tile{t}_programs{c}" + ("" if f == "per_gemm" else f"_{f}"), mesh,
-         dataclasses.replace(base, exchange_tile=t, exchange_programs=c, exchange_fusion=f,
-                             exchange_on_one_device=True))
+         dataclasses.replace(base, options=dataclasses.replace(
+             base.options, exchange_tile=t, exchange_programs=c, exchange_fusion=f,
+             exchange_on_one_device=True)))
         for t in tiles
         for c in programs
         for f in fusions
@@ -413,7 +419,7 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument(
         "--fusions", default="per_gemm",
-        help="layer: exchange_fusion values, comma-separated (per_gemm, forward)",
+        help="layer: options.exchange_fusion values, comma-separated (per_gemm, forward)",
     )  # fmt: skip
     parser.add_argument(
         "--param-dtype", default="float32", choices=("float32", "bfloat16"),

@@ -5,7 +5,9 @@
         [--token-chunks 512,2048] [--no-command-buffers]
 
 An implementation suffixed "_meshN" (e.g. fused_mesh1, fused_mesh2) runs under an N-device
-expert mesh with N times the shape's tokens; the kernel times are then the first GPU's.
+expert mesh with N times the shape's tokens; the kernel times are then the first GPU's. The
+layer's options are "auto" (`mok_jax.resolve` picks them for the device), and the token chunk
+each of --token-chunks where given.
 
 For each shape, implementation and product (the forward, or the forward and backward of
 sum(y * cotangent), as in bench/fused_probe.py), after warm-up, records `iters` calls under
@@ -45,7 +47,7 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from mok_jax import init_params, make_mesh, moe, presets, scale_down
+from mok_jax import MoEOptions, init_params, make_mesh, moe, presets, scale_down
 
 # exchange_experts: `fused` under a mesh, whose kernels exchange rows while they compute.
 STAGES = ("route", "plan", "dispatch", "exchange_experts", "experts", "return", "combine", "aux")
@@ -174,9 +176,13 @@ def _layer(name: str, implementation: str, product: str, token_chunk: int | None
         cfg = scale_down(cfg)
     if experts is not None:
         cfg = dataclasses.replace(cfg, num_experts=experts)
-    # A 1-device mesh runs the in-kernel exchange's kernels (its copies to the device itself).
-    cfg = dataclasses.replace(cfg, implementation=implementation, token_chunk=token_chunk,
-                              exchange_on_one_device=mesh is not None)  # fmt: skip
+    # fused on a 1-device mesh runs the in-kernel exchange's kernels (its copies to the device
+    # itself); on more devices it runs them anyway. token_chunk None: "auto".
+    options = MoEOptions(
+        token_chunk="auto" if token_chunk is None else token_chunk,
+        exchange_on_one_device=implementation == "fused" and num_devices == 1 and mesh is not None,
+    )
+    cfg = dataclasses.replace(cfg, implementation=implementation, options=options)
     keys = jax.random.split(jax.random.key(1), 3)
     x = jax.random.normal(keys[0], (tokens, cfg.d_model), jnp.float32).astype(jnp.bfloat16)
     cotangent = jax.random.normal(keys[1], x.shape, jnp.float32).astype(jnp.bfloat16)
@@ -198,6 +204,8 @@ def _layer(name: str, implementation: str, product: str, token_chunk: int | None
 
 
 def render(records: Sequence[dict]) -> str:
+    # Token chunk "default": options.token_chunk "auto" (2048 on a GPU); in records made before
+    # the options moved into MoEOptions, the default of then (8 * row_tile, 512 at these shapes).
     lines = [
         "| shape | implementation | token chunk | product | wall span ms/call | kernel ms/call | "
         "kernels/call | " + " | ".join(f"{s} ms (kernels)" for s in (*STAGES, OTHER)) + " |",
@@ -240,8 +248,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--token-chunks",
         default="",
-        help="comma-separated MoEConfig.token_chunk values to profile each case at (default: the "
-        "config's)",
+        help="comma-separated MoEOptions.token_chunk values to profile each case at (default: "
+        "'auto', shown as 'default' in the table)",
     )
     parser.add_argument(
         "--no-command-buffers",

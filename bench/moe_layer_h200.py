@@ -40,6 +40,12 @@ device call (grouped_gemm_h200's `Planner`: a step starts only if its estimate a
 every higher-priority step still to come fit; the `xla` layer, the slowest, is tier 1 (forward)
 and 2 (forward+backward) and is skipped first), with grouped_gemm_h200's `Watchdog` as the hard
 stop. Results: moe_layer_h200.{json,md} in --out, rewritten after every candidate.
+
+Our candidates run with MoEConfig's options "auto" (`mok_jax.resolve` picks them for the device:
+on a GPU token_chunk 2048 and, for `fused`, residuals "gate_up" where they fit in memory);
+`--fused-options` sets `fused`'s (MoEOptions fields). The runs recorded before the options
+moved into MoEOptions ran the defaults of then (token_chunk 8 * row_tile, fused_residuals
+"inputs") where their `fused_options` set nothing.
 """
 
 from __future__ import annotations
@@ -68,7 +74,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench import grouped_gemm_h200 as gg
-from mok_jax import MoEConfig, MoEParams, init_params, moe, presets, scale_down
+from mok_jax import (
+    MoEConfig,
+    MoEOptions,
+    MoEParams,
+    init_params,
+    moe,
+    presets,
+    resolve,
+    scale_down,
+)
 from mok_jax.layer import _route
 from mok_jax.reference import moe_reference
 from mok_jax.routing import router_logits, router_scores, select_experts
@@ -103,9 +118,9 @@ COMPUTES = {
     "pallas": "mok_jax.moe, implementation='pallas' (route, plan, gather, Mosaic GPU gmm_swiglu "
     "and gmm, fixed-order combine)",
     "fused": "mok_jax.moe, implementation='fused' (the gate/up kernel on the expert-sorted "
-    "rows, copied or read from x by the kernel (fused_rows), routing weights in the down "
+    "rows, copied or read from x by the kernel (options.rows), routing weights in the down "
     "kernel's epilogue, one-pass weighted combine; backward: ops.swiglu_mlp's kernels, gate "
-    "and up recomputed or kept (fused_residuals))",
+    "and up recomputed or kept (options.residuals))",
     "tokamax": "mok_jax's route stage (same experts and weights), then MaxText's dropless "
     "recipe: stable argsort by expert, jnp.take of the rows, tokamax.ragged_dot (mosaic) for "
     "gate, up, down with silu(gate)*up in bf16, jnp.take back by the inverse order, "
@@ -205,6 +220,12 @@ def zipf_router_bias(scores_te: jax.Array, cfg: MoEConfig, *, exponent: float) -
     return bias_e
 
 
+def route(x, params: MoEParams, cfg: MoEConfig):
+    """The routing of x by mok_jax's route stage, with cfg's "auto" options resolved as the
+    layer resolves them (the stage takes a resolved config: its token chunk)."""
+    return _route(x, params, resolve(cfg, num_tokens=x.shape[0]).config)[0]
+
+
 def expert_loads(experts_tk: jax.Array, num_experts: int) -> np.ndarray:
     return np.bincount(np.asarray(experts_tk).reshape(-1), minlength=num_experts)
 
@@ -242,7 +263,7 @@ def make_inputs(shape: LayerShape, torch_mod) -> Inputs:
         scores = router_scores(router_logits(x, params.router), cfg)
         bias = zipf_router_bias(scores, cfg, exponent=ZIPF_EXPONENT)
         params = dataclasses.replace(params, router_bias=bias.astype(jnp.bfloat16))
-    experts_tk = jax.jit(lambda x, p: _route(x, p, cfg)[0].experts_tk)(x, params)
+    experts_tk = jax.jit(lambda x, p: route(x, p, cfg).experts_tk)(x, params)
     jax.block_until_ready((x, cot, params, experts_tk))
     inputs = Inputs(
         shape, cfg, x, params, cot, experts_tk, expert_loads(experts_tk, cfg.num_experts)
@@ -310,7 +331,7 @@ def jax_products(layer: Callable[[jax.Array, MoEParams], jax.Array], product: st
 def maxtext_tokamax_layer(x, params: MoEParams, cfg: MoEConfig, tokamax) -> jax.Array:
     """MaxText's dropless MoE (sort, three ragged_dots, unsort, einsum combine) on tokamax's
     mosaic ragged_dot, routed by mok_jax's own route stage."""
-    routing = _route(x, params, cfg)[0]
+    routing = route(x, params, cfg)
     num_tokens, top_k = routing.experts_tk.shape
     flat = routing.experts_tk.reshape(-1)
     order = jnp.argsort(flat, stable=True)
@@ -421,9 +442,10 @@ class Bench:
 
     def _mok(self, implementation: str, product: str) -> gg.Runner:
         inp = self.inp
-        options = self.args.fused_options if implementation == "fused" else {}
+        chosen = self.args.fused_options if implementation == "fused" else {}
         try:
-            cfg = dataclasses.replace(inp.cfg, implementation=implementation, **options)
+            options = dataclasses.replace(inp.cfg.options, **chosen)
+            cfg = dataclasses.replace(inp.cfg, implementation=implementation, options=options)
         except ValueError as e:
             raise gg.NotAvailable(f"{implementation}: {e}") from e
 
@@ -1087,8 +1109,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--fused-options",
         default="",
-        help="MoEConfig fields for the fused candidate, comma-separated key=value (e.g. "
-        "fused_residuals=gate_up,fused_rows=gathered,token_chunk=2048)",
+        help="MoEOptions fields for the fused candidate, comma-separated key=value (e.g. "
+        "residuals=gate_up,rows=gathered,token_chunk=2048); the others stay 'auto'",
     )
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--timed", type=int, default=None, help="timed samples (>= 10 on the GPU)")
@@ -1146,13 +1168,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def _parse_options(ap: argparse.ArgumentParser, text: str) -> dict:
-    """'a=1,b=x' -> {'a': 1, 'b': 'x'}, each key a MoEConfig field (ints as ints)."""
-    fields = {f.name for f in dataclasses.fields(MoEConfig)}
+    """'a=1,b=x' -> {'a': 1, 'b': 'x'}, each key a MoEOptions field (ints as ints)."""
+    fields = {f.name for f in dataclasses.fields(MoEOptions)}
     options = {}
     for item in (i for i in text.split(",") if i):
         key, sep, value = item.partition("=")
         if not sep or key not in fields:
-            ap.error(f"--fused-options: {item!r} is not key=value of a MoEConfig field")
+            ap.error(f"--fused-options: {item!r} is not key=value of a MoEOptions field")
         options[key] = int(value) if value.lstrip("-").isdigit() else value
     return options
 

@@ -163,19 +163,23 @@ def within_tolerance(actual, expected, dtype) -> bool:
 EP_DEGREES = [1, 2, 4, 8, 16, 32, 64]
 EXCHANGES = list(mok_jax.EXCHANGES)
 # "--exchanges ...,fused": implementation "fused", whose exchange runs inside its own kernels
-# (issue 7); "fused@N" the same with exchange_programs N (0: the dispatch not overlapped with
-# the GEMMs). The other exchanges run with --implementation (xla by default).
+# (issue 7); "fused@N" the same with options.exchange_programs N (0: the dispatch not overlapped
+# with the GEMMs; at EP 1, which has no exchange, it is "fused"). fused's residuals are "inputs"
+# at every EP, as under the exchange ("auto" would keep gate and up at EP 1), so that its EP 1
+# run computes what the others do. The other exchanges run with --implementation (xla by
+# default). The other options are "auto".
 FUSED = "fused"
 IMPLEMENTATION = ["xla"]
 
 
-def variant(cfg, exch: str):
-    """cfg for one exchange of the run: its implementation and, but for fused, its exchange."""
+def variant(cfg, exch: str, ep: int):
+    """cfg for one exchange of the run at EP `ep`: its implementation and, but for fused, its
+    exchange."""
     if exch.split("@")[0] == FUSED:
-        cfg = dataclasses.replace(cfg, implementation=FUSED)
-        if "@" in exch:
-            cfg = dataclasses.replace(cfg, exchange_programs=int(exch.split("@")[1]))
-        return cfg
+        options = dataclasses.replace(cfg.options, residuals="inputs")
+        if "@" in exch and ep > 1:
+            options = dataclasses.replace(options, exchange_programs=int(exch.split("@")[1]))
+        return dataclasses.replace(cfg, implementation=FUSED, options=options)
     return dataclasses.replace(cfg, implementation=IMPLEMENTATION[0], exchange=exch)
 
 
@@ -191,7 +195,7 @@ def correctness(name, cfg, num_tokens, record, timed) -> None:
     # EP 1 always: it is what every other degree is compared with.
     for ep in sorted({1, *ep_degrees(len(jax.devices()))}):
         for exch in EXCHANGES:
-            c = variant(cfg, exch)
+            c = variant(cfg, exch, ep)
             if ep == 1 and c.implementation in base:
                 continue  # one device: the exchanges of one implementation take one path
             mesh = make_mesh("expert", devices=jax.devices()[:ep])
@@ -264,8 +268,8 @@ def scaling(name, cfg, tokens_per_device, record, timed, budget_end) -> None:
     for ep in ep_degrees(len(jax.devices())):
         done_at_ep1 = set()
         for exch in EXCHANGES:
-            c = variant(cfg, exch)
-            key = (c.implementation, c.exchange_programs)
+            c = variant(cfg, exch, ep)
+            key = (c.implementation, c.options)
             if ep == 1 and key in done_at_ep1:
                 continue
             done_at_ep1.add(key)

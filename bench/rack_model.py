@@ -26,18 +26,19 @@ row-side work (routed GEMMs and their memory passes, which scale with rho and ca
 the transfer), rounds = ceil(rho / buffer_factor), n_c the collectives a round (2 forward, 3
 backward), a the collective's time over the rows' bytes at the link's rate, hop one ring
 hop's fixed-shape chunks out and back plus n_c latencies, s the share of the
-SMs the fused kernels' copy programs hold for the whole kernel (MoEConfig.exchange_programs
-over the H200's SMs): the rows move inside the routed GEMMs' kernels only, so those GEMMs run
-on the other SMs and the row-side memory passes (XLA kernels) do not hide the transfer.
-eta_stream is a copy's measured
-share of the HBM bandwidth (DESIGN.md). eta_gemm (forward and backward), eta_hbm and c_chunk
-are fitted to the fused layer's single-H200 times (bench/results/moe_layer_h200.json); eta_link
+SMs the fused kernels' copy programs hold for the whole kernel (the measured runs'
+exchange_programs over the H200's SMs): the rows move inside the routed GEMMs' kernels only,
+so those GEMMs run on the other SMs and the row-side memory passes (XLA kernels) do not hide
+the transfer. eta_stream is a copy's measured share of the HBM bandwidth (DESIGN.md).
+eta_gemm (forward and backward), eta_hbm and c_chunk are fitted to the fused layer's
+single-H200 times (bench/results/moe_layer_h200.json); eta_link
 comes from the two-H200 bandwidth rows (bench/results/multi_gpu_h200x2.json); everything else is a
 published number (cited in SOURCES) or an assumption (ASSUMPTIONS). The fit is in-sample: the
 calibration table shows how well the model reproduces the points it was fitted to, not how well
 it predicts. The layer's dimensions, tile and token-chunk rules come from mok_jax (presets,
-MoEConfig's defaults, mok_jax.tiles). Writes rack_model.json and rack_model.md with --out and
-prints the markdown.
+MoEConfig's defaults, mok_jax.tiles); the layer's options, from the measured runs (RECORDED_*:
+they ran before the options moved into MoEOptions, whose "auto" may resolve otherwise). Writes
+rack_model.json and rack_model.md with --out and prints the markdown.
 """
 
 from __future__ import annotations
@@ -82,10 +83,15 @@ def _config_default(name: str):
 
 DEFAULT_ROW_TILE: int = _config_default("row_tile")
 DEFAULT_BUFFER_FACTOR: float = _config_default("buffer_factor")
-DEFAULT_FUSED_RESIDUALS: Residuals = _config_default("fused_residuals")
+# The options of the measured fused runs (bench/results: moe_layer_h200.json,
+# multi_gpu_h200x2.json) where they set none: MoEConfig's defaults then, fused_residuals "inputs"
+# and exchange_programs 24. MoEOptions' "auto" may resolve otherwise (residuals "gate_up" on one
+# H200 where they fit; exchange_programs from the exchange's tuning table).
+RECORDED_FUSED_RESIDUALS: Residuals = "inputs"
+RECORDED_EXCHANGE_PROGRAMS = 24
 # The fused kernels' copy programs over the H200's streaming multiprocessors (132).
 H200_SMS = 132
-DEFAULT_COMM_SM_SHARE: float = _config_default("exchange_programs") / H200_SMS
+DEFAULT_COMM_SM_SHARE: float = RECORDED_EXCHANGE_PROGRAMS / H200_SMS
 
 
 BF16_BYTES = 2.0
@@ -354,10 +360,11 @@ class Workload:
     Attributes:
       imbalance: rho, the busiest device's received rows over the mean (max/mean load over
         the EP devices); 1 at EP 1.
-      token_chunk: tokens per step of the token-wise loops (MoEConfig.token_chunk); None:
-        the library's default (mok_jax.tiles.token_chunk: 8 * row_tile).
+      token_chunk: tokens per step of the token-wise loops (MoEOptions.token_chunk); None:
+        8 * row_tile (mok_jax.tiles.token_chunk), the default of the measured runs
+        (MoEOptions' "auto" is 2048 on a GPU).
       fused_residuals: "inputs" (the backward recomputes gate and up: 2 more GEMM passes)
-        or "gate_up" (kept); MoEConfig's default.
+        or "gate_up" (kept) (MoEOptions.residuals); by default the measured runs' "inputs".
     """
 
     shape: LayerShape
@@ -365,7 +372,7 @@ class Workload:
     dtype: Dtype = "bf16"
     imbalance: float = 1.0
     token_chunk: int | None = None
-    fused_residuals: Residuals = DEFAULT_FUSED_RESIDUALS
+    fused_residuals: Residuals = RECORDED_FUSED_RESIDUALS
 
     def __post_init__(self):
         ep = self.layout.expert
@@ -416,7 +423,8 @@ class ExchangeConfig:
       buffer_factor: receive buffer (and ring chunk) as a multiple of the balanced load
         (MoEConfig.buffer_factor, its default): rho beyond it costs rounds.
       comm_sm_share: share of the SMs the fused kernels' copy programs hold for the whole
-        kernel, in [0, 1) (MoEConfig.exchange_programs over the SMs: 24 of the H200's 132).
+        kernel, in [0, 1) (MoEOptions.exchange_programs over the SMs: by default the measured
+        runs' 24 of the H200's 132).
       a2a_bytes_factor: ragged_all_to_all's time over the time of the rows' bytes at the
         link's rate, as extra bytes (1: an ideal ragged collective; on two H200s XLA's
         ragged_all_to_all took 2.15x the dense all_to_all's time for the same bytes).
@@ -793,7 +801,8 @@ def load_layer_measurements(path: pathlib.Path = LAYER_RESULTS) -> list[Measured
 
 
 def _fused_options(options: dict) -> dict:
-    """The Workload fields a run's `fused_options` set; the rest stay the library's defaults."""
+    """The Workload fields a run's `fused_options` set (MoEConfig's field names of then; the
+    runs predate MoEOptions); the rest stay the Workload's defaults, the runs' defaults."""
     return {k: options[k] for k in ("token_chunk", "fused_residuals") if k in options}
 
 
@@ -986,8 +995,9 @@ MOK_SHAPE = LayerShape.from_config("mok_bench", mok_jax.presets["mok_bench"], to
 RACK_LAYOUTS = {"EP 64": Layout(data=1, expert=64), "9 x 8": Layout(data=9, expert=8)}
 MOK_CLAIMS = {"fp8": (2.37, 1.78), "bf16": (1.92, 1.58)}  # (forward, backward), SOURCES["mok"]
 ASSUMED_LINK_FRACTION = 0.8  # ASSUMPTIONS["link_fraction"]
-# token_chunk 2048: the fastest on the H200. fused_residuals "inputs": under a mesh every
-# implementation recomputes gate and up in the backward ("gate_up" applies only without one).
+# token_chunk 2048: the fastest on the H200 (MoEOptions' "auto" on a GPU). fused_residuals
+# "inputs": under a mesh every implementation recomputes gate and up in the backward ("gate_up"
+# applies only without one).
 RACK_OPTIONS = dict(token_chunk=2048, fused_residuals="inputs")
 IMBALANCES = (1.0, 1.25, 1.5, 2.0, 3.0)
 

@@ -19,6 +19,7 @@ import dataclasses
 import math
 import numbers
 import typing
+import warnings
 from collections.abc import Mapping
 from fractions import Fraction
 from types import MappingProxyType
@@ -27,43 +28,56 @@ from typing import Literal
 import jax.numpy as jnp
 import numpy as np
 
+from mok_jax.options import (
+    AUTO,
+    EXCHANGE_OPTIONS,
+    FUSED_OPTIONS,
+    Auto,
+    MoEOptions,
+)
+
 # "reference": the oracle (one device); "xla": XLA ops, any mesh; "pallas": the Mosaic GPU
 # grouped GEMMs in the experts stage, any mesh; "fused": the rows read straight from the
 # tokens and the routing weights applied inside the kernels (see layer._fused_experts), and
 # under a mesh the rows moved between devices inside kernels too (layer._fused_exchange).
+# "auto" (MoEConfig's default) picks one for the target: see `mok_jax.resolve`.
 Implementation = Literal["reference", "xla", "pallas", "fused"]
 ScoreFn = Literal["softmax", "sigmoid"]
-# How rows travel between the devices of the `expert` mesh axis (see exchange.py).
+# How rows travel between the devices of the `expert` mesh axis for `xla` and `pallas` (see
+# exchange.py); `fused` moves them inside its kernels, as an all-to-all.
 Exchange = Literal["ragged_all_to_all", "ring"]
-# How the `fused` implementation's gate/up kernel gets its expert-sorted rows: "copied" (one
-# gather of the tokens into a [N, D] copy, then the kernel on it) or "gathered" (the kernel
-# loads each row from the tokens itself, one 1-row TMA per row and K step: no copy, slower on
-# the H200; see layer._fused_experts).
-FusedRows = Literal["copied", "gathered"]
-# Which kernels carry the `fused` implementation's exchange under a mesh: "per_gemm" (each
-# copy inside the kernel of the GEMM next to it: the forward's dispatch with gate/up, its
-# return with the down projection, the backward's likewise) or "forward" (the round's whole
-# forward, dispatch, gate/up, down and return, in one kernel; the backward as "per_gemm").
-ExchangeFusion = Literal["per_gemm", "forward"]
-# What the `fused` implementation's forward keeps for its backward: "inputs" (the tokens and
-# weights: the backward recomputes the gate and up projections, 2 of its 8 GEMM passes) or
-# "gate_up" (also h, gate and up, [T*K, F] each in the compute dtype: 6 passes).
-FusedResiduals = Literal["inputs", "gate_up"]
-# How the `fused` implementation's backward recomputes what "inputs" did not keep (gate, up and
-# dy @ w_down.T, then h, [d_gate | d_up] and the routing weights' gradient from them): "gmm"
-# (three f32 grouped GEMMs, then XLA's elementwise pass) or "kernel" (one kernel,
-# mosaic_gpu.gmm_swiglu_bwd, no f32 [T*K, F] array in HBM). See pallas_kernels' ops.Recompute.
-# The `pallas` implementation's backward always recomputes with "gmm" (ops.Recompute's
-# default); it ran the kernel from session 8's 32f407a to ea58fad.
-FusedRecompute = Literal["gmm", "kernel"]
 
 IMPLEMENTATIONS: tuple[str, ...] = typing.get_args(Implementation)
 SCORE_FNS: tuple[str, ...] = typing.get_args(ScoreFn)
 EXCHANGES: tuple[str, ...] = typing.get_args(Exchange)
-EXCHANGE_FUSIONS: tuple[str, ...] = typing.get_args(ExchangeFusion)
-FUSED_ROWS: tuple[str, ...] = typing.get_args(FusedRows)
-FUSED_RESIDUALS: tuple[str, ...] = typing.get_args(FusedResiduals)
-FUSED_RECOMPUTES: tuple[str, ...] = typing.get_args(FusedRecompute)
+
+# Fields of MoEConfig before the performance knobs moved into `MoEOptions`: old name -> the
+# option's name. `MoEConfig.from_dict` still reads them (with a DeprecationWarning).
+MOVED_FIELDS: Mapping[str, str] = MappingProxyType(
+    {
+        "exchange_tile": "exchange_tile",
+        "exchange_programs": "exchange_programs",
+        "exchange_fusion": "exchange_fusion",
+        "exchange_on_one_device": "exchange_on_one_device",
+        "fused_rows": "rows",
+        "fused_residuals": "residuals",
+        "fused_recompute": "recompute",
+        "token_chunk": "token_chunk",
+    }
+)
+# Their defaults then: a saved run that kept one gets "auto", which resolves to it (token_chunk
+# None, 8 * row_tile, is kept as that number: "auto" may pick another chunk, other last bits).
+_MOVED_DEFAULTS: Mapping[str, typing.Any] = MappingProxyType(
+    {
+        "exchange_tile": 64,
+        "exchange_programs": 24,
+        "exchange_fusion": "per_gemm",
+        "exchange_on_one_device": False,
+        "fused_rows": "copied",
+        "fused_residuals": "inputs",
+        "fused_recompute": "gmm",
+    }
+)
 
 # Short dtype names a command line or a config file may use, besides numpy's own names.
 _DTYPE_ALIASES = {
@@ -146,11 +160,14 @@ class MoEConfig:
       dtype: the compute dtype of the expert GEMMs (inputs cast to it, f32 accumulation):
         bfloat16, float16 or float32, as a jnp/np dtype or a name ('bfloat16', 'bf16', ...);
         stored as a numpy dtype.
-      implementation: which implementation computes the layer (see `Implementation`).
-      exchange: how rows travel to the devices that own their experts under a mesh with an
-        `expert` axis: "ragged_all_to_all" (one collective per round; a dense all_to_all
-        stands in on CPU) or "ring" (EP-1 `ppermute` hops, the GEMMs of one hop's chunk
-        overlapping the next hop's transfer). Both give the same bits for y and dx.
+      implementation: which implementation computes the layer (`Implementation`), or "auto":
+        `fused` on a Hopper GPU wherever it supports the config, else `pallas` there (the
+        `ring` exchange), else `xla`; `mok_jax.resolve` says what it picks and why.
+      exchange: how `xla` and `pallas` move rows to the devices that own their experts under a
+        mesh with an `expert` axis: "ragged_all_to_all" (one collective per round; a dense
+        all_to_all stands in on CPU) or "ring" (EP-1 `ppermute` hops, the GEMMs of one hop's
+        chunk overlapping the next hop's transfer). Both give the same bits for y and dx.
+        `fused` moves them inside its kernels, as an all-to-all: it rejects "ring".
       buffer_factor: the receive buffer, as a multiple of the balanced load (the rows a device
         would receive if routing were uniform). Rows beyond it travel in further rounds of the
         same exchange: memory stays bounded, nothing is dropped, imbalance costs rounds.
@@ -158,78 +175,14 @@ class MoEConfig:
         [row_tile, D] (expert groups are padded to whole tiles), and every token its router and
         shared-expert weights in a dot of [row_tile, D], whatever the device count; this is
         what keeps y and dx the same bits for every expert-parallel degree. A multiple of 8.
-      exchange_tile: with implementation 'fused' under a mesh, rows per tile of the in-kernel
-        exchange's receive buffer: each local expert's rows of a round start on a tile
-        boundary (the grouped GEMMs also compute the padding, fewer than exchange_tile rows an
-        expert a round) and a receiver counts its rows' arrival tile by tile (the grain at
-        which the GEMMs can start on arrived rows, once overlapped). y and dx do not depend on
-        it (a row's result does not depend on its tile): tested at 3 and 4 on the CPU and at
-        16, 64 and 128 on one H200.
-      exchange_programs: with implementation 'fused' under a mesh, the share of the GPU given
-        to the exchange's copies: the programs (one a streaming multiprocessor, of 132 on the
-        H200) of the first expert GEMMs' kernel that copy the round's rows to the devices that
-        own their experts, while the others run each GEMM tile as soon as its rows are in; and
-        of the down projection's kernel, that send each piece of results back as soon as its
-        rows are stored; and (with fused_recompute "gmm") of the backward's first GEMM's
-        kernel, that copy the results' cotangent, the rows and their weights to the buffers
-        while the others run g = dy @ w_down.T tile by tile; and of the input gradient's
-        kernel, that send each piece of it back as soon as its rows are stored. 0: these
-        copies run as kernels of their own, on every SM. y and dx do not depend on it.
-        Default 24: on one H200, at qwen3_30b_a3b's round with an EP > 1 buffer, the
-        forward's two kernels took 1.53 ms at 24, 1.66 at 16 and 1.71 as separate kernels
-        (bench/results/2026-12-01_exchange_tail_h200_s13/); the layer's backward (with the
-        routing) on a 1-device mesh, 5.92 ms at 24 and 6.22 separate (one call, session 15,
-        bench/results/2026-12-01_exchange_backward_h200_s15/); across GPUs, where the copies
-        cost more, not yet timed.
-      exchange_fusion: with implementation 'fused' under a mesh and exchange_programs > 0,
-        which kernels carry the exchange's copies (see `ExchangeFusion`); y and dx do not
-        depend on it. "per_gemm" (the default) has run on one H200 and, in its session-12
-        form, on two. "forward" (MoK's design: one kernel a round for the forward, each down
-        tile starting once its rows of h are stored, each piece of results leaving once its
-        rows of y are) gives the same bits on one H200, at one round and at several (the
-        layer's GPU test, session 20), but is not reliably faster there: on a 1-device mesh at
-        qwen3_30b_a3b, 4096 tokens, one round, forward / forward+backward took 2.81 / 6.99
-        ms against per_gemm's 2.85 / 7.21 with f32 parameters (session 19) and 2.13 / 6.04
-        against 1.97 / 5.75 with bf16 ones (session 20; bench/results/
-        2026-12-02_exchange_h200_s19/ and _s20/, one call each). What it is for, the return
-        starting while the first GEMM still runs across GPUs, has not been measured. Its down
-        tiles must split between consumers as the gate/up ones do (on the H200's tiles,
-        d_model a multiple of 128), else the layer raises ValueError.
-      exchange_on_one_device: with implementation 'fused' under a mesh whose `expert` axis
-        has one device (data parallel only), whether the rows still go through the in-kernel
-        exchange (copies to the device itself). False (the default): they are already on the
-        device that owns their experts, so each device runs `fused` as without a mesh (no
-        rounds; fused_residuals applies, and the rows are copied as under any mesh), the
-        same y and dx bits; on one H200 the exchange's copies cost 15-19 % of the layer's
-        forward+backward there (bench/results/2026-12-01_exchange_h200_s16/). True: the way
-        to run and time the exchange's kernels on one GPU (the tests and benchmarks do).
-        'xla' and 'pallas' never run a collective on a 1-device expert axis.
-      token_chunk: tokens per step of the token-wise stages (routing, combine, shared experts),
-        which run in fixed-shape chunks of this many tokens (zero-padded, at least two) so that
-        a token's bits do not depend on how many tokens a device holds; None: 8 * row_tile
-        (512). A multiple of 8. Larger chunks take fewer loop steps (each costs launches) and
-        pad more when a device holds few tokens; y changes in its last bits with it. On the
-        H200, `fused` at qwen3_30b_a3b (16384 tokens): 2048 took its forward+backward from
-        14.5 to 12.3 ms (bench/results/2026-12-01_layer_profile_h200/); at mixtral_8x7b and
-        the deepseek-v3 slice (16 and 8 steps at 512) the gain was within the noise.
-      fused_rows: with implementation 'fused', where the gate/up kernel's rows come from (see
-        `FusedRows`); both give the same bits. "gathered" saves the [T*K, D] copy of the
-        tokens; "copied" is faster on the H200 (2.1 against 2.8 ms at qwen3_30b_a3b's gate/up,
-        bench/results/2026-11-30_fused_probe_h200/). Under a mesh the rows are copied
-        (the exchange sends the copy).
-      fused_residuals: with implementation 'fused', what its forward keeps for the backward
-        (see `FusedResiduals`): "inputs" is lean, "gate_up" skips recomputing the gate and up
-        projections (2 of a forward+backward's 11 GEMM passes) for 3 * K * F more values per
-        token. On the H200 "gate_up" alone ran mixtral_8x7b's forward+backward in 30.3 ms
-        against 37.0-38.1 for the defaults, and the deepseek-v3 slice's in 21.9 against
-        24.3-24.8, for 176 KiB of activations a token against 8 KiB at mixtral
-        (bench/results/moe_layer_h200.md, bench/results/2026-11-30_activation_memory.md).
-        Under a mesh it does not apply: the backward recomputes each round's forward.
-      fused_recompute: with implementation 'fused' and residuals "inputs", how the backward
-        recomputes gate and up (see `FusedRecompute`); the same values (h to the bit, the rest
-        to their f32 rounding). "gmm" is faster on the H200 (3.03 against 3.73 ms at
-        qwen3_30b_a3b, bench/results/2026-12-01_fused_probe_h200/); "kernel" keeps
-        3 * 4 * K * F bytes per token of f32 intermediates out of HBM. Under a mesh too.
+      options: the performance knobs (`MoEOptions`), each "auto" by default.
+
+    Example:
+      >>> cfg = MoEConfig(d_model=2048, d_ff=768, num_experts=128, top_k=8)
+      >>> cfg.implementation, cfg.options.residuals
+      ('auto', 'auto')
+      >>> cfg.with_options(residuals="inputs").options.residuals
+      'inputs'
     """
 
     d_model: int
@@ -246,18 +199,11 @@ class MoEConfig:
     z_loss_coef: float = 0.0
     capacity_factor: float | None = None
     dtype: typing.Any = jnp.bfloat16
-    implementation: Implementation = "xla"
+    implementation: Implementation | Auto = AUTO
     exchange: Exchange = "ragged_all_to_all"
     buffer_factor: float = 2.0
     row_tile: int = 64
-    exchange_tile: int = 64
-    exchange_programs: int = 24
-    exchange_fusion: ExchangeFusion = "per_gemm"
-    exchange_on_one_device: bool = False
-    fused_rows: FusedRows = "copied"
-    fused_residuals: FusedResiduals = "inputs"
-    fused_recompute: FusedRecompute = "gmm"
-    token_chunk: int | None = None
+    options: MoEOptions = dataclasses.field(default_factory=MoEOptions)
 
     def __post_init__(self) -> None:
         def put(name: str, value: typing.Any) -> None:
@@ -277,67 +223,67 @@ class MoEConfig:
                 "capacity_factor",
                 _check_float("capacity_factor", self.capacity_factor, positive=True),
             )
-        for name in ("norm_topk_prob", "exchange_on_one_device"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
+        if not isinstance(self.norm_topk_prob, bool):
+            raise ValueError(f"norm_topk_prob={self.norm_topk_prob!r} must be a bool")
         if self.score_fn not in SCORE_FNS:
             raise ValueError(f"score_fn={self.score_fn!r} must be one of {SCORE_FNS}")
-        if self.implementation not in IMPLEMENTATIONS:
+        if self.implementation != AUTO and self.implementation not in IMPLEMENTATIONS:
             raise ValueError(
-                f"implementation={self.implementation!r} must be one of {IMPLEMENTATIONS}"
+                f"implementation={self.implementation!r} must be 'auto' or one of {IMPLEMENTATIONS}"
             )
         if self.exchange not in EXCHANGES:
             raise ValueError(f"exchange={self.exchange!r} must be one of {EXCHANGES}")
-        if self.exchange_fusion not in EXCHANGE_FUSIONS:
-            raise ValueError(
-                f"exchange_fusion={self.exchange_fusion!r} must be one of {EXCHANGE_FUSIONS}"
-            )
-        if self.token_chunk is not None:
-            put("token_chunk", check_int("token_chunk", self.token_chunk, minimum=8))
-            if self.token_chunk % 8:
-                raise ValueError(f"token_chunk={self.token_chunk} must be a multiple of 8")
-        if self.fused_rows not in FUSED_ROWS:
-            raise ValueError(f"fused_rows={self.fused_rows!r} must be one of {FUSED_ROWS}")
-        if self.fused_residuals not in FUSED_RESIDUALS:
-            raise ValueError(
-                f"fused_residuals={self.fused_residuals!r} must be one of {FUSED_RESIDUALS}"
-            )
-        if self.fused_recompute not in FUSED_RECOMPUTES:
-            raise ValueError(
-                f"fused_recompute={self.fused_recompute!r} must be one of {FUSED_RECOMPUTES}"
-            )
         put("buffer_factor", _check_float("buffer_factor", self.buffer_factor, positive=True))
         put("row_tile", check_int("row_tile", self.row_tile, minimum=8))
         if self.row_tile % 8:
             raise ValueError(f"row_tile={self.row_tile} must be a multiple of 8")
-        put("exchange_tile", check_int("exchange_tile", self.exchange_tile, minimum=1))
-        put(
-            "exchange_programs",
-            check_int("exchange_programs", self.exchange_programs, minimum=0),
-        )
         put("dtype", compute_dtype(self.dtype))
+        if not isinstance(self.options, MoEOptions):
+            raise ValueError(
+                f"options={self.options!r} must be a MoEOptions (MoEConfig.from_dict reads a dict)"
+            )
         if self.implementation in ("pallas", "fused"):
-            self._validate_pallas()
+            reason = self.kernels_unsupported()
+            if reason is not None:
+                raise ValueError(f"implementation={self.implementation!r} {reason}")
+        self._validate_options()
 
         top_k, num_experts = self.top_k, self.num_experts
         if top_k > num_experts:
             raise ValueError(f"{top_k=} must be <= {num_experts=}")
         self._validate_groups()
 
-    def _validate_pallas(self) -> None:
-        """The kernels' limits ('pallas' and 'fused')."""
-        impl = self.implementation
+    def kernels_unsupported(self, implementation: str | None = None) -> str | None:
+        """Why the Mosaic GPU kernels of `implementation` ("pallas" or "fused"; default this
+        config's) cannot compute this config, or None: they compute in bfloat16 or float16, on
+        d_model and d_ff multiples of 64; `fused` moves rows as an all-to-all, not a ring."""
+        implementation = self.implementation if implementation is None else implementation
         if self.dtype.name not in ("bfloat16", "float16"):
-            raise ValueError(
-                f"implementation={impl!r} computes in bfloat16 or float16, not "
-                f"dtype={self.dtype.name}"
-            )
+            return f"computes in bfloat16 or float16, not dtype={self.dtype.name}"
         for name in ("d_model", "d_ff"):
             if getattr(self, name) % 64:
-                raise ValueError(
-                    f"implementation={impl!r} needs {name}={getattr(self, name)} to be a "
-                    "multiple of 64 (the kernels' tiles)"
-                )
+                value = getattr(self, name)
+                return f"needs {name}={value} to be a multiple of 64 (the kernels' tiles)"
+        if implementation == "fused" and self.exchange == "ring":
+            return (
+                "moves rows inside its kernels, as an all-to-all: exchange='ring' is for 'xla' "
+                "and 'pallas'"
+            )
+        return None
+
+    def _validate_options(self) -> None:
+        """Options set for an implementation that does not read them."""
+        impl, set_ = self.implementation, self.options.explicit()
+        if impl in (AUTO, "fused"):
+            return
+        unused = [n for n in set_ if n in FUSED_OPTIONS or n in EXCHANGE_OPTIONS]
+        unused += [n for n in set_ if n == "exchange_on_one_device"]
+        if unused:
+            raise ValueError(
+                f"options {', '.join(unused)} are the 'fused' implementation's, not "
+                f"implementation={impl!r}'s: leave them 'auto' (or set implementation 'auto', "
+                "which uses them wherever it picks 'fused')"
+            )
 
     def _validate_groups(self) -> None:
         num_groups, topk_groups, num_experts = self.num_groups, self.topk_groups, self.num_experts
@@ -388,6 +334,45 @@ class MoEConfig:
             return None
         factor = Fraction(repr(self.capacity_factor))
         return math.ceil(factor * num_tokens * self.top_k / self.num_experts)
+
+    def with_options(self, **changes: typing.Any) -> MoEConfig:
+        """This config with some options changed, e.g. `cfg.with_options(residuals="inputs")`."""
+        return dataclasses.replace(self, options=dataclasses.replace(self.options, **changes))
+
+    def to_dict(self) -> dict[str, typing.Any]:
+        """The fields as JSON-ready values (dtype by name, options as a dict); `from_dict`
+        reads them back."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {**out, "dtype": self.dtype.name, "options": dataclasses.asdict(self.options)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, typing.Any]) -> MoEConfig:
+        """A config from `to_dict`'s output, or from a dict saved before the performance knobs
+        moved into `options` (flat fields such as `fused_residuals`; each is read into its
+        option, with a DeprecationWarning naming the new place)."""
+        data = dict(data)
+        options = dict(data.pop("options", None) or {})
+        moved = [name for name in MOVED_FIELDS if name in data]
+        for name in moved:
+            value = data.pop(name)
+            if name == "token_chunk" and value is None:
+                value = 8 * data.get("row_tile", 64)
+            elif _MOVED_DEFAULTS.get(name, object()) == value and name != "exchange_on_one_device":
+                value = AUTO
+            options[MOVED_FIELDS[name]] = value
+        if moved:
+            places = ", ".join(f"{name} -> options.{MOVED_FIELDS[name]}" for name in moved)
+            warnings.warn(
+                f"this MoEConfig was saved with fields that moved into MoEConfig.options "
+                f"(MoEOptions): {places}; read into their new places (a saved default reads as "
+                "'auto', which resolves to it). Save it again to drop this warning.",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+        unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"MoEConfig has no fields {unknown}")
+        return cls(**data, options=MoEOptions(**options))
 
 
 def scale_down(

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array, lax
 
-from mok_jax.config import FUSED_RECOMPUTES, FUSED_RESIDUALS, FUSED_ROWS
+from mok_jax.options import RECOMPUTES, RESIDUALS, ROWS
 from mok_jax.permute import tokens_to_rows
 
 
@@ -140,14 +140,15 @@ def grouped_swiglu_fused(
 
     `grouped_swiglu_pallas(x_td[order_n // top_k], ..., weights_n=scale_n)` bit for bit: h [N, F]
     is written once, and the down projection's epilogue multiplies each row by its scale in
-    f32. `rows` (config.FusedRows): "gathered", the gate/up kernel loads each row from x
+    f32. `rows` (options.Rows): "gathered", the gate/up kernel loads each row from x
     through the plan's order (`lhs_rows_m`), with no permuted copy of the tokens; "copied",
     it runs on that copy (x[order_n // top_k], one XLA gather), which is faster on the H200.
     Differentiable in x, the weights and scale_n; the backward is `ops.swiglu_mlp`'s on the
-    rows gathered once. `residuals` (config.FusedResiduals): "inputs", it recomputes gate and
+    rows gathered once. `residuals` (options.Residuals): "inputs", it recomputes gate and
     up (8 GEMM passes); "gate_up", the forward's kernel also stores gate and up and keeps them
     with h for the backward (3 [N, F] arrays in `dtype` more memory, 6 GEMM passes).
-    `recompute` (config.FusedRecompute), with "inputs": how gate and up are recomputed.
+    `recompute` (options.Recompute), with "inputs": how gate and up are recomputed; "gmm"
+    rounds them to `dtype` as "gate_up" keeps them, so the two give the same gradient bits.
     `dtype` bfloat16 or float16; D and F multiples of 64.
 
     Shapes: w_gate, w_up [E, D, F]; w_down [E, F, D]; scale_n f32 [N]; group_sizes_e int32 [E]
@@ -163,12 +164,12 @@ def grouped_swiglu_fused(
                                   jnp.bfloat16)
     """
     _check_kernel_dtype(dtype)
-    if rows not in FUSED_ROWS:
-        raise ValueError(f"rows={rows!r} must be one of {FUSED_ROWS}")
-    if residuals not in FUSED_RESIDUALS:
-        raise ValueError(f"residuals={residuals!r} must be one of {FUSED_RESIDUALS}")
-    if recompute not in FUSED_RECOMPUTES:
-        raise ValueError(f"recompute={recompute!r} must be one of {FUSED_RECOMPUTES}")
+    if rows not in ROWS:
+        raise ValueError(f"rows={rows!r} must be one of {ROWS}")
+    if residuals not in RESIDUALS:
+        raise ValueError(f"residuals={residuals!r} must be one of {RESIDUALS}")
+    if recompute not in RECOMPUTES:
+        raise ValueError(f"recompute={recompute!r} must be one of {RECOMPUTES}")
     from pallas_kernels.grouped_matmul import ops as grouped_ops
 
     weights = tuple(w.astype(dtype) for w in (w_gate_edf, w_up_edf, w_down_efd))

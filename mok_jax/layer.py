@@ -33,10 +33,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 from mok_jax.config import MoEConfig
 from mok_jax.mesh import ShardingRules, shard_params, shard_tokens
 from mok_jax.mesh import param_specs as mesh_param_specs
+from mok_jax.options import current_target
 from mok_jax.params import MoEParams, validate_params
 from mok_jax.permute import rows_to_slots, sum_kept_slots, sum_slots, take_rows, tokens_to_rows
 from mok_jax.plan import Plan, make_plan
 from mok_jax.reference import moe_reference
+from mok_jax.resolve import resolve
 from mok_jax.routed import RoutedSpec, routed_experts
 from mok_jax.routing import (
     MoEAux,
@@ -47,7 +49,7 @@ from mok_jax.routing import (
     router_z_loss,
     score_shares,
 )
-from mok_jax.tiles import token_chunk, token_swiglu, token_tiled
+from mok_jax.tiles import token_swiglu, token_tiled
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +77,7 @@ def _route(x_td: Array, params: MoEParams, cfg: MoEConfig) -> tuple[Routing, Arr
             lse_c = jax.nn.logsumexp(logits_ce, axis=-1)
             return routing, score_shares(routing.scores_te), lse_c
 
-        return token_tiled(chunk, x_td, token_chunk(cfg.token_chunk, cfg.row_tile))
+        return token_tiled(chunk, x_td, cfg.options.token_chunk)
 
 
 def _plan(routing: Routing, cfg: MoEConfig, axes: _Axes) -> tuple[Plan, Array]:
@@ -117,6 +119,16 @@ def _experts(
 ):
     """Dispatch to the experts' devices, the expert GEMMs and the return, in rounds (`fused`:
     with the rows' routing weights scale_n, inside kernels)."""
+    # The in-kernel exchange's options apply to `fused` only (resolved there).
+    fused = {}
+    if cfg.implementation == "fused":
+        opts = cfg.options
+        fused = {
+            "recompute": opts.recompute,
+            "exchange_tile": opts.exchange_tile,
+            "exchange_programs": opts.exchange_programs,
+            "exchange_fusion": opts.exchange_fusion,
+        }
     spec = RoutedSpec(
         axis=axes.expert,
         rounds_axes=axes.tokens,
@@ -127,10 +139,7 @@ def _experts(
         row_tile=cfg.row_tile,
         dtype=cfg.dtype,
         kernel=cfg.implementation if cfg.implementation in ("pallas", "fused") else "xla",
-        recompute=cfg.fused_recompute,
-        exchange_tile=cfg.exchange_tile,
-        exchange_programs=cfg.exchange_programs,
-        exchange_fusion=cfg.exchange_fusion,
+        **fused,
     )
     weights = (params.w_gate, params.w_up, params.w_down)
     return routed_experts(x_nd, weights, plan.group_sizes_e, spec, scale_n)
@@ -169,7 +178,7 @@ def _combine(
         # sum over D that must not change order with the number of tokens here. Weighted rows
         # (`fused`) have no such sum: a where and K - 1 adds, elementwise, are the same bits at
         # any shape, so they run in one pass over all tokens (no chunk loop).
-        tokens = token_chunk(cfg.token_chunk, cfg.row_tile)
+        tokens = cfg.options.token_chunk
         if weighted:
             y_td = sum_slots(y_tkd) if plan.keep_n is None else sum_kept_slots(y_tkd, keep_tk)
         else:
@@ -222,9 +231,11 @@ def _local_moe(x_td: Array, params: MoEParams, cfg: MoEConfig, axes: _Axes):
     fused = cfg.implementation == "fused"
     # One device on the expert axis: the rows are where their experts are (unless the
     # exchange's kernels are asked for there, `exchange_on_one_device`).
-    local = axes.expert is None or (axes.expert_devices == 1 and not cfg.exchange_on_one_device)
+    local = axes.expert is None or (
+        axes.expert_devices == 1 and not cfg.options.exchange_on_one_device
+    )
     if fused and local:
-        y_nd = _fused_experts(x_td, routing, plan, params, cfg, meshed=axes.expert is not None)
+        y_nd = _fused_experts(x_td, routing, plan, params, cfg)
         rounds = jnp.ones((), jnp.int32)
     elif fused:
         y_nd, rounds = _fused_exchange(x_td, routing, plan, params, cfg, axes)
@@ -242,27 +253,18 @@ def moe_xla(x_td: Array, params: MoEParams, cfg: MoEConfig) -> tuple[Array, MoEA
 
 
 def _fused_experts(
-    x_td: Array, routing: Routing, plan: Plan, params: MoEParams, cfg: MoEConfig, *, meshed: bool
+    x_td: Array, routing: Routing, plan: Plan, params: MoEParams, cfg: MoEConfig
 ) -> Array:
     """The `fused` implementation's dispatch + experts + routing weights: tokens [T, D] ->
     weighted rows f32 [N, D] in expert order.
 
     The gate/up kernel reads the expert-sorted rows from a copy of the tokens, or with
-    fused_rows="gathered" straight from x through the plan's order; h is written once, and the
-    down projection's epilogue multiplies each row by its routing weight; combine
+    options.rows="gathered" straight from x through the plan's order; h is written once, and
+    the down projection's epilogue multiplies each row by its routing weight; combine
     (weighted=True) gathers each token's K weighted rows and sums them in slot order. So y is
-    the `pallas` implementation's, bit for bit.
-
-    Status (2026-12-01, bench/results/moe_layer_h200.md): on the H200 at issue 5's shapes, y
-    and dx pass the reference check on the first tokens and every output the check against
-    the other candidates, and all are bitwise repeatable. Forward+backward 13.4 ms at
-    qwen3_30b_a3b (1.65x `pallas`, 2.45x MaxText's recipe on tokamax, 1.41x
-    torch._grouped_mm), 37.0 at mixtral (1.20x `pallas`, 2.11x tokamax, 0.89x torch), 24.3
-    at the deepseek-v3 slice (1.44x `pallas`, 2.16x tokamax, 1.12x torch); with
-    fused_residuals="gate_up" and token_chunk 2048, 10.1 / 29.6 / 20.4 ms (3.19x / 2.64x /
-    2.74x tokamax, 1.84x / 1.11x / 1.45x torch). `xla` is 6-8x slower forward and 8.9-10.3x
-    forward+backward. The backward runs the unfused kernels (ops.swiglu_mlp_grads, 8 GEMM
-    passes, 6 with "gate_up") on the rows gathered once.
+    the `pallas` implementation's, bit for bit. The backward runs the unfused kernels
+    (ops.swiglu_mlp_grads: 8 GEMM passes, 6 with residuals "gate_up") on the rows gathered
+    once. Measured figures: bench/results/ (README.md there lists them).
     """
     from mok_jax.experts import grouped_swiglu_fused
 
@@ -279,12 +281,13 @@ def _fused_experts(
             plan.inverse_n,
             cfg.top_k,
             cfg.dtype,
-            # Under a mesh the rows are copied, as MoEConfig.fused_rows says: the gathered rows'
-            # kernel cannot take operands that vary over mesh axes (its producer's warp_map).
-            rows="copied" if meshed else cfg.fused_rows,
-            residuals=cfg.fused_residuals,
-            recompute=cfg.fused_recompute,
-            interpret=jax.default_backend() == "cpu",
+            # Under a mesh the rows are copied (`resolve` rejects "gathered" there): the
+            # gathered rows' kernel cannot take operands that vary over mesh axes (its
+            # producer's warp_map).
+            rows=cfg.options.rows,
+            residuals=cfg.options.residuals,
+            recompute=cfg.options.recompute,
+            interpret=current_target().interpret,
         )
 
 
@@ -308,20 +311,13 @@ def _fused_exchange(
     weight in the down projection's epilogue, and the results come back the same way. Each
     row meets the kernels of `_fused_experts`, so y and dx are its bits on any mesh.
 
-    Status (2026-12-01, session 16): correct on the CPU (the exchange's all_gather spec, the
-    GEMM kernels in interpret mode) against the single-device result, and on one H200 (a
-    1-device mesh, several rounds: y and dx bitwise equal to no mesh). With the defaults
-    (exchange_programs 24, fused_recompute "gmm") every copy runs inside a GEMM's kernel: two
-    kernels a round forward (dispatch + gate/up, down + return), and in the backward the
-    dispatch of the cotangent, the rows and their weights inside g = dy @ w_down.T's kernel and
-    the input gradient's return inside its GEMM's; the backward recomputes gate and up from
-    the rows it dispatches again (fused_residuals does not apply under a mesh). On one H200
-    the 1-device mesh costs 15-19 % over no mesh at 4096 tokens
-    (bench/results/2026-12-01_exchange_h200_s16/), so on an expert axis of one device the
-    layer runs `_fused_experts` instead unless `exchange_on_one_device` asks for this path;
-    not run across GPUs since session 12. exchange_fusion "forward" runs a round's forward as
-    one kernel instead of two (mosaic_gpu.dispatch_mlp_return): the same bits on one H200 at
-    one round and at several (sessions 19 and 20), not reliably faster there.
+    With exchange_programs > 0 every copy runs inside a GEMM's kernel: two kernels a round
+    forward (dispatch + gate/up, down + return; one with exchange_fusion "forward"), and in the
+    backward the dispatch of the cotangent, the rows and their weights inside g = dy @
+    w_down.T's kernel and the input gradient's return inside its GEMM's; the backward
+    recomputes gate and up from the rows it dispatches again. On an expert axis of one device
+    the layer runs `_fused_experts` instead (the copies cost 15-19 % of the layer there on one
+    H200) unless options.exchange_on_one_device asks for this path.
     """
     with jax.named_scope("dispatch"):
         x_nd = _dispatch(x_td, plan, cfg)
@@ -431,6 +427,19 @@ def _context_mesh():
     return None if mesh.empty else mesh
 
 
+def _resolved(cfg: MoEConfig, num_tokens: int, mesh, rules: ShardingRules | None) -> MoEConfig:
+    """cfg with its "auto" choices made for this call (`mok_jax.resolve`)."""
+    if mesh is None:
+        return resolve(cfg, num_tokens=num_tokens).config
+    devices = math.prod(mesh.shape[a] for a in rules.tokens)
+    return resolve(
+        cfg,
+        num_tokens=num_tokens // devices,
+        meshed=True,
+        expert_devices=mesh.shape[rules.experts],
+    ).config
+
+
 def moe(
     x: jax.typing.ArrayLike,
     params: MoEParams,
@@ -463,9 +472,10 @@ def moe(
       int32 [] and the exchange's rounds int32 [], all global (the same on every device).
 
     Raises:
-      ValueError: x is not floating or its last dimension is not D, params do not fit cfg, or
+      ValueError: x is not floating or its last dimension is not D, params do not fit cfg,
         the mesh cannot run it (no expert axis, E or T not divisible by the device counts,
-        implementation 'reference').
+        implementation 'reference'), or an explicit implementation or option cannot run or
+        does not apply here (see `mok_jax.resolve`, which makes cfg's "auto" choices).
 
     Example:
       >>> cfg = mok_jax.presets["tiny"]
@@ -482,6 +492,7 @@ def moe(
     if mesh is not None:
         rules = ShardingRules() if rules is None else rules
         rules.check(mesh, cfg, num_tokens)
+    cfg = _resolved(cfg, num_tokens, mesh, rules)
     if num_tokens == 0:
         return _no_tokens(x, cfg)
     if mesh is None:

@@ -25,7 +25,9 @@ import jax.numpy as jnp
 from mok_jax.config import IMPLEMENTATIONS, PRESETS, MoEConfig, scale_down
 from mok_jax.determinism import compiler_options
 from mok_jax.layer import moe
+from mok_jax.options import MoEOptions
 from mok_jax.params import MoEParams, init_params
+from mok_jax.resolve import resolve
 from mok_jax.routing import MoEAux
 from mok_jax.tolerances import relative_error, tolerance
 
@@ -39,7 +41,12 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         help="keep the preset's real sizes (default: scale down all but 'tiny')",
     )
     parser.add_argument("--tokens", type=int, default=512, help="tokens T (default 512)")
-    parser.add_argument("--implementation", default="xla", choices=IMPLEMENTATIONS)
+    parser.add_argument(
+        "--implementation",
+        default="auto",
+        choices=("auto", *IMPLEMENTATIONS),
+        help="default auto: fused on a Hopper GPU where it supports the config, else xla",
+    )
     parser.add_argument(
         "--dtype",
         default=None,
@@ -146,8 +153,12 @@ def _print_header(args: argparse.Namespace, cfg: MoEConfig, params: MoEParams) -
         f"config        : {args.preset}{' (scaled down)' if _scaled(args) else ''}: "
         f"D={cfg.d_model} F={cfg.d_ff} E={cfg.num_experts} K={cfg.top_k} "
         f"S={cfg.num_shared_experts} {cfg.score_fn} groups={cfg.num_groups}/{cfg.topk_groups} "
-        f"capacity={cfg.capacity_factor} dtype={cfg.dtype.name} impl={cfg.implementation}"
+        f"capacity={cfg.capacity_factor} dtype={cfg.dtype.name}"
     )
+    resolution = resolve(cfg, num_tokens=args.tokens)
+    print(f"runs          : {resolution.summary()}")
+    for line in resolution.report().splitlines():
+        print(f"                {line}")
     total = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params))
     active = (
         cfg.d_model * cfg.num_experts
@@ -192,7 +203,7 @@ def _run(args: argparse.Namespace, cfg: MoEConfig) -> bool:
     )
     if args.no_reference or cfg.implementation == "reference":
         return same
-    ref_cfg = dataclasses.replace(cfg, implementation="reference")
+    ref_cfg = dataclasses.replace(cfg, implementation="reference", options=MoEOptions())
     (_, (y_ref, _)), grads_ref = _loss_fn(ref_cfg, cotangent)(x, params)
     return _print_errors(grads, grads_ref, y, y_ref, cfg) and same
 

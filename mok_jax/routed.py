@@ -37,7 +37,8 @@ import numpy as np
 from jax import Array, lax
 
 from mok_jax import exchange, exchange_protocol
-from mok_jax.config import Exchange, ExchangeFusion, FusedRecompute
+from mok_jax.config import Exchange
+from mok_jax.options import ExchangeFusion, Recompute, current_target
 from mok_jax.permute import take_rows
 from mok_jax.tiles import tile_layout, tiled_experts, vary, varying_axes
 
@@ -57,13 +58,11 @@ class RoutedSpec:
       dtype: the compute dtype.
       kernel: "xla" (batched dots), "pallas" (the Mosaic GPU grouped GEMMs) or "fused" (the
         exchange inside kernels, `exchange` ignored; the rows come with their routing weights).
-      recompute: with "fused", how the backward recomputes gate and up (`ops.Recompute`).
-      exchange_tile: with "fused", rows per tile of the receive buffer (`MoEConfig`).
-      exchange_programs: with "fused", the programs of the first and last GEMMs' kernels that
-        run the dispatch's and the return's copies, and of the backward's first and last GEMMs'
-        kernels that run the backward's dispatch and the input gradient's return (0: each is a
-        kernel of its own; `MoEConfig`).
-      exchange_fusion: with "fused", which kernels carry the copies (`MoEConfig`).
+      recompute, exchange_tile, exchange_programs, exchange_fusion: with "fused", the
+        `MoEOptions` of those names (resolved): how the backward recomputes gate and up; rows
+        per tile of the receive buffer; the programs of the first and last GEMMs' kernels
+        (forward and backward) that run the exchange's copies (0: kernels of their own);
+        which kernels carry the copies. None otherwise.
     """
 
     axis: str | None
@@ -75,10 +74,10 @@ class RoutedSpec:
     row_tile: int
     dtype: np.dtype
     kernel: Literal["xla", "pallas", "fused"] = "xla"
-    recompute: FusedRecompute = "gmm"
-    exchange_tile: int = 64
-    exchange_programs: int = 24
-    exchange_fusion: ExchangeFusion = "per_gemm"
+    recompute: Recompute | None = None
+    exchange_tile: int | None = None
+    exchange_programs: int | None = None
+    exchange_fusion: ExchangeFusion | None = None
 
 
 def _me(spec: RoutedSpec) -> Array:
@@ -186,7 +185,7 @@ def _fused_round(r, rows, weights, plan, spec: RoutedSpec) -> Array:
             recompute=spec.recompute,
             exchange_programs=spec.exchange_programs,
             exchange_fusion=spec.exchange_fusion,
-            interpret=jax.default_backend() == "cpu",
+            interpret=current_target().interpret,
         )
 
 
@@ -246,6 +245,14 @@ def routed_experts(
         raise ValueError(f"scale_n must be given with kernel 'fused' only (kernel={spec.kernel!r})")
     if spec.kernel == "fused" and spec.axis is None:
         raise ValueError("kernel 'fused' exchanges along a mesh axis: spec.axis must be set")
+    fused_fields = (
+        spec.recompute,
+        spec.exchange_tile,
+        spec.exchange_programs,
+        spec.exchange_fusion,
+    )
+    if spec.kernel == "fused" and None in fused_fields:
+        raise ValueError(f"kernel 'fused' needs its resolved options in the spec: {spec}")
     t = _counts(group_sizes_e, spec)
     if spec.kernel == "fused":
         t = _fused_plan(t, x_nd.shape[0], spec)

@@ -39,6 +39,7 @@ import numpy as np
 from jax import Array, lax
 
 from mok_jax.experts import dot_precision, swiglu
+from mok_jax.options import current_target
 from mok_jax.permute import take_rows
 from mok_jax.plan import id_bounds
 
@@ -252,7 +253,7 @@ def tiled_experts(
         from mok_jax.experts import grouped_swiglu_pallas
 
         sizes_g = layout.tiles_g * layout.row_tile
-        interpret = jax.default_backend() == "cpu"
+        interpret = current_target().interpret
         y_qd = grouped_swiglu_pallas(
             x_qd, w_gate_gdf, w_up_gdf, w_down_gfd, sizes_g, dtype, interpret=interpret
         )

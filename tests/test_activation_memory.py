@@ -12,19 +12,21 @@ import jax
 import jax.numpy as jnp
 
 from bench import activation_memory as am
-from mok_jax import presets, scale_down
+from mok_jax import MoEOptions, presets, scale_down
 
 T = 1024  # whole token chunks (8 tiles of 64), at least the 2 loop steps: nothing is padded
 
 
 def _cfg(implementation: str):
-    residuals = "gate_up" if implementation == "fused_gate_up" else "inputs"
-    return dataclasses.replace(
+    cfg = dataclasses.replace(
         scale_down(presets["qwen3_30b_a3b"]),
         implementation=implementation.removesuffix("_gate_up"),
         dtype=jnp.bfloat16,
-        fused_residuals=residuals,
     )
+    if cfg.implementation != "fused":  # the residuals option is fused's alone
+        return cfg
+    residuals = "gate_up" if implementation == "fused_gate_up" else "inputs"
+    return dataclasses.replace(cfg, options=MoEOptions(residuals=residuals))
 
 
 def test_residuals_of_a_known_function_are_counted_by_hand():

@@ -653,13 +653,15 @@ def test_moe_layer_smoke_checks_times_and_marks_gpu_baselines_not_available(tmp_
 def test_moe_layer_fused_options_set_the_fused_config_and_reject_unknown_fields():
     from bench import moe_layer_h200 as layer
 
-    args = layer.parse_args(["--fused-options", "fused_residuals=gate_up,token_chunk=2048"])
-    assert args.fused_options == {"fused_residuals": "gate_up", "token_chunk": 2048}
+    args = layer.parse_args(["--fused-options", "residuals=gate_up,token_chunk=2048"])
+    assert args.fused_options == {"residuals": "gate_up", "token_chunk": 2048}
     bench = layer.Bench(args, None, layer.SHAPES[0])
     assert bench._computes("fused").endswith("; with " + str(args.fused_options))
     assert bench._computes("pallas") == layer.COMPUTES["pallas"]
-    with pytest.raises(SystemExit):
-        layer.parse_args(["--fused-options", "residuals=gate_up"])
+    with pytest.raises(SystemExit):  # MoEConfig's field before the options moved
+        layer.parse_args(["--fused-options", "fused_residuals=gate_up"])
+    with pytest.raises(SystemExit):  # a MoEConfig field, not an option
+        layer.parse_args(["--fused-options", "row_tile=128"])
 
 
 def test_moe_layer_fwd_bwd_returns_y_not_the_cancelling_loss():

@@ -98,7 +98,12 @@ def _train_parser() -> argparse.ArgumentParser:
         type=int,
         help="the data-parallel degree of --layout data_expert (EP = devices / this)",
     )
-    p.add_argument("--implementation", choices=IMPLEMENTATIONS, help="MoE implementation")
+    p.add_argument(
+        "--implementation",
+        choices=("auto", *IMPLEMENTATIONS),
+        help="MoE implementation (default auto: fused on a Hopper GPU where it can, else xla; "
+        "the run prints what it chose and why)",
+    )
     p.add_argument("--seed", type=int, help="initialization and batch-order seed")
     p.add_argument("--eval-every", type=int, help="evaluate every N steps (0: off)")
     p.add_argument("--save-every", type=int, help="checkpoint every N steps (0: only at the end)")
@@ -361,6 +366,7 @@ def main_sample(argv: Sequence[str]) -> int:
     _set_devices(1, parser)
     import pathlib
 
+    from mok_jax import MoEOptions
     from train.checkpoint import CheckpointDamaged, Checkpoints, read_run_configs
     from train.sample import format_samples, generate
     from train.step import Trainer
@@ -371,6 +377,10 @@ def main_sample(argv: Sequence[str]) -> int:
         model_cfg, train_cfg = read_run_configs(workdir)
         import dataclasses
 
+        # Sampling runs `xla` on one device: the kernels' options do not apply there.
+        moe = model_cfg.moe
+        moe = dataclasses.replace(moe, options=MoEOptions(token_chunk=moe.options.token_chunk))
+        model_cfg = dataclasses.replace(model_cfg, moe=moe)
         trainer = Trainer(model_cfg, dataclasses.replace(train_cfg, implementation="xla"), None)
         checkpoints = Checkpoints(workdir, read_only=True)
         try:

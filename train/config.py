@@ -23,6 +23,7 @@ from mok_jax.config import (
     canonical_dtype,
     check_int,
 )
+from mok_jax.options import MoEOptions
 
 MeshLayout = Literal["expert", "data_expert"]
 MESH_LAYOUTS: tuple[str, ...] = typing.get_args(MeshLayout)
@@ -131,12 +132,14 @@ class ModelConfig:
         """A JSON-able dict (dtypes by name); `from_json` inverts it."""
         out = dataclasses.asdict(self)
         out["dtype"] = self.dtype.name
-        out["moe"] = {**dataclasses.asdict(self.moe), "dtype": self.moe.dtype.name}
+        out["moe"] = self.moe.to_dict()
         return out
 
     @classmethod
     def from_json(cls, data: Mapping[str, typing.Any]) -> ModelConfig:
-        return cls(**{**data, "moe": MoEConfig(**data["moe"])})
+        """The config `to_json` wrote; an MoE config saved with the flat performance fields of
+        earlier versions loads with a DeprecationWarning (`MoEConfig.from_dict`)."""
+        return cls(**{**data, "moe": MoEConfig.from_dict(data["moe"])})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -159,7 +162,8 @@ class TrainConfig:
       eval_fraction: the share of the data held out for evaluation, in (0, 0.5].
       save_every: save a checkpoint every this many steps (and always at the end); 0: at the end.
       seed: the seed of the initialization and of the batch order.
-      implementation: the MoE layer's implementation ("xla" under a mesh).
+      implementation: the MoE layer's implementation (it replaces the model's), "auto" by
+        default: `mok_jax.resolve` picks it for the device and says why (the run prints it).
       devices: devices to use (the first ones of the default backend); None: all.
       layout: the mesh layout: "expert" (1 x devices, EP = devices) or "data_expert".
       data_parallel: the data-parallel degree of "data_expert" (EP = devices / data_parallel).
@@ -190,7 +194,7 @@ class TrainConfig:
     eval_fraction: float = 0.05
     save_every: int = 100
     seed: int = 0
-    implementation: Implementation = "xla"
+    implementation: Implementation | Literal["auto"] = "auto"
     devices: int | None = None
     layout: MeshLayout = "expert"
     data_parallel: int | None = None
@@ -227,9 +231,9 @@ class TrainConfig:
         for name in ("weight_decay", "router_bias_rate"):
             object.__setattr__(self, name, _float(name, getattr(self, name), low=0.0))
         object.__setattr__(self, "clip_norm", _float("clip_norm", self.clip_norm, low=1e-12))
-        if self.implementation not in IMPLEMENTATIONS:
+        if self.implementation != "auto" and self.implementation not in IMPLEMENTATIONS:
             raise ValueError(
-                f"implementation={self.implementation!r} must be one of {IMPLEMENTATIONS}"
+                f"implementation={self.implementation!r} must be 'auto' or one of {IMPLEMENTATIONS}"
             )
         if self.devices is not None:
             object.__setattr__(self, "devices", check_int("devices", self.devices, minimum=1))
@@ -337,10 +341,10 @@ PRESETS: Mapping[str, Preset] = MappingProxyType(
                     dtype="bfloat16",
                     row_tile=128,
                     # One device holds 65,536 tokens a step: the token-wise stages (routing,
-                    # combine, shared expert) in 4 chunks instead of 128 of 512 (each chunk
-                    # costs its kernels' launches: ~0.09 ms a layer, forward + backward, on
-                    # one H200 at the qwen3 layer's shape).
-                    token_chunk=16384,
+                    # combine, shared expert) in 4 chunks instead of 32 of the GPU's automatic
+                    # 2048 (each chunk costs its kernels' launches: ~0.09 ms a layer, forward +
+                    # backward, on one H200 at the qwen3 layer's shape).
+                    options=MoEOptions(token_chunk=16384),
                 ),
                 dtype="bfloat16",
             ),
@@ -355,7 +359,6 @@ PRESETS: Mapping[str, Preset] = MappingProxyType(
                 save_every=1000,
                 workdir="runs/gpu",
                 router_bias_rate=1e-3,
-                implementation="fused",
             ),
         ),
     }

@@ -24,6 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
+import mok_jax
 from train import data as data_lib
 from train.checkpoint import (
     SET_ASIDE_DIR,
@@ -157,10 +158,18 @@ def _config_differences(saved: dict, asked: dict, prefix: str = "") -> list[str]
     return differences
 
 
+def _how_it_runs_aside(model_cfg: ModelConfig) -> ModelConfig:
+    """The model's function: its MoE layers' implementation and options left at their
+    defaults (a run may resume on another device, or with other options)."""
+    moe = dataclasses.replace(model_cfg.moe, implementation="auto", options=mok_jax.MoEOptions())
+    return dataclasses.replace(model_cfg, moe=moe)
+
+
 def _check_same_model(workdir: pathlib.Path, model_cfg: ModelConfig, flag: str) -> None:
     """Refuses to resume the run in `workdir` with another model, naming the fields that
-    differ."""
-    saved = read_model_config(workdir)
+    differ. How the MoE layers run (implementation, options) may differ."""
+    saved = _how_it_runs_aside(read_model_config(workdir))
+    model_cfg = _how_it_runs_aside(model_cfg)
     if saved != model_cfg:
         differences = _config_differences(saved.to_json(), model_cfg.to_json())
         raise ValueError(
@@ -294,12 +303,14 @@ class _Run:
         }
 
 
-def _mesh(train_cfg: TrainConfig):
+def _mesh(train_cfg: TrainConfig, model_cfg: ModelConfig):
     """The run's mesh; None (one device, no mesh) for a one-device run of an implementation
-    other than "xla": "reference" runs only without a mesh, and "pallas" and "fused" have a
-    faster path on one device than on a 1-device mesh."""
+    other than "xla" ("auto" as resolved): "reference" runs only without a mesh, and "pallas"
+    and "fused" have a faster path on one device than on a 1-device mesh."""
     mesh = make_train_mesh(train_cfg)
-    if mesh.size == 1 and train_cfg.implementation != "xla" and jax.process_count() == 1:
+    moe_cfg = dataclasses.replace(model_cfg.moe, implementation=train_cfg.implementation)
+    implementation, _ = mok_jax.resolve_implementation(moe_cfg)
+    if mesh.size == 1 and implementation != "xla" and jax.process_count() == 1:
         return None
     return mesh
 
@@ -354,7 +365,7 @@ def train(
     data = data_lib.load_bytes(train_cfg.data)  # first: a bad path fails before any work
     resume = resume or resume_from is not None
     _check_workdir(workdir, resume=resume, overwrite=overwrite)
-    mesh = _mesh(train_cfg)
+    mesh = _mesh(train_cfg, model_cfg)
     run = _Run(model_cfg, train_cfg, mesh, data)
     trainer = run.trainer
     restored = None
@@ -370,7 +381,9 @@ def train(
     checkpoints = Checkpoints(workdir)
     start = int(jax.device_get(state.step))
     if run.pid == 0:
-        write_config(workdir, trainer.model_cfg, {"train": dataclasses.asdict(train_cfg)})
+        resolved = _resolved_choices(trainer.moe_resolution)
+        extra = {"train": dataclasses.asdict(train_cfg), "moe_resolved": resolved}
+        write_config(workdir, trainer.model_cfg, extra)
     say(
         f"{'no mesh' if mesh is None else f'mesh {dict(mesh.shape)}'} on "
         f"{1 if mesh is None else mesh.size} {jax.devices()[0].platform} device(s) "
@@ -506,13 +519,23 @@ def _peak_memory() -> int | None:
     return None if not stats else stats.get("peak_bytes_in_use")
 
 
+def _resolved_choices(resolution) -> dict:
+    """The MoE layer's resolved implementation and options that apply, with the reasons: what
+    config.json records beside the "auto" it saves."""
+    cfg = resolution.config
+    values = {"implementation": cfg.implementation, **dataclasses.asdict(cfg.options)}
+    return {name: {"value": values[name], "why": why} for name, why in resolution.reasons.items()}
+
+
 def _plan_line(trainer) -> str:
     """The MoE implementation, the remat policy and the memory estimate of the step."""
     cfg = trainer.train_cfg
     remat = f"{trainer.remat!r}{' (auto)' if cfg.remat == 'auto' else ''}"
     accum = f", {cfg.grad_accum} microbatches a step" if cfg.grad_accum > 1 else ""
     estimate = trainer.memory_estimate().report(trainer.device_bytes)
-    return f"MoE {cfg.implementation!r}, remat {remat}{accum}; {estimate}"
+    moe = trainer.moe_resolution
+    why = moe.reasons["implementation"]
+    return f"{moe.summary()} [{why}], remat {remat}{accum}; {estimate}"
 
 
 def _compile_line(times) -> str:
@@ -583,7 +606,7 @@ class DeterminismReport:
 def check_determinism(model_cfg: ModelConfig, train_cfg: TrainConfig) -> DeterminismReport:
     """Runs `train_cfg.steps` steps twice, each from a fresh state (no checkpoints, no logs),
     and compares the losses and the final parameters bit for bit."""
-    mesh = _mesh(train_cfg)
+    mesh = _mesh(train_cfg, model_cfg)
     run = _Run(model_cfg, train_cfg, mesh, data_lib.load_bytes(train_cfg.data))
     results = []
     for _ in range(2):

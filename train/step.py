@@ -147,6 +147,7 @@ class Trainer:
         self.tx = make_optimizer(train_cfg)
         self.schedule = make_schedule(train_cfg)
         self._check()
+        self.moe_resolution = self._resolve_moe()
         with self.context():
             abstract = nnx.eval_shape(lambda: LanguageModel(self.model_cfg, rngs=nnx.Rngs(0)))
             self.graphdef, _, _ = nnx.split(abstract, nnx.Param, ...)
@@ -214,6 +215,22 @@ class Trainer:
                 f"batch_size={cfg.batch_size} must be divisible by the {devices} devices times "
                 f"grad_accum={cfg.grad_accum} (every microbatch spreads over every device)"
             )
+
+    def _resolve_moe(self) -> mok_jax.Resolution:
+        """What the MoE layers resolve their "auto" choices to inside the step (they do it
+        themselves when traced, from the same facts: the tokens a device's layer sees per
+        microbatch, the mesh and the device); for the run's printout and config.json. Raises
+        ValueError, before anything compiles, for a choice that cannot run."""
+        cfg, mesh = self.train_cfg, self.mesh
+        tokens = cfg.batch_size * cfg.seq_len // cfg.grad_accum
+        if mesh is None:
+            return mok_jax.resolve(self.model_cfg.moe, num_tokens=tokens)
+        return mok_jax.resolve(
+            self.model_cfg.moe,
+            num_tokens=tokens // mesh.size,
+            meshed=True,
+            expert_devices=mesh.shape["expert"],
+        )
 
     @property
     def devices(self) -> list[jax.Device]:
@@ -429,7 +446,7 @@ class Trainer:
             return "one lowered step per process"
         if importlib.util.find_spec("flatbuffers") is None:
             return "flatbuffers, which jax.export's serialization needs, is not installed"
-        kernels = self.model_cfg.moe.implementation in ("pallas", "fused")
+        kernels = self.moe_resolution.config.implementation in ("pallas", "fused")
         if kernels and jax.default_backend() == "cpu":
             return "the kernels' interpret mode calls back to Python"
         return None

@@ -10,6 +10,8 @@ interprets a kernel for CUDA reports none, and the kernel is built for `TARGET_D
 from __future__ import annotations
 
 import dataclasses
+import functools
+import warnings
 from typing import Literal
 
 import jax
@@ -203,11 +205,24 @@ class TileConfig:
 
 
 def resolve_device_kind(device: jax.Device | None = None) -> str:
-    """The device kind a kernel is built for: the device's own, or `TARGET_DEVICE_KIND`."""
+    """The device kind a kernel is built for: the device's own, or `TARGET_DEVICE_KIND` (a CPU
+    lowering or interpreting the kernels; a GPU the tables do not know, with a warning)."""
     device = jax.devices()[0] if device is None else device
     if device.platform == "gpu" and device.device_kind in DEVICES:
         return device.device_kind
+    if device.platform == "gpu":
+        _warn_unknown_gpu(device.device_kind)
     return TARGET_DEVICE_KIND
+
+
+@functools.cache
+def _warn_unknown_gpu(kind: str) -> None:
+    warnings.warn(
+        f"the kernels have no tuning for {kind!r}: they use {TARGET_DEVICE_KIND!r}'s tiles and "
+        "the device's own SM count (pallas_kernels/grouped_matmul/tuning.py's DEVICES and "
+        "DEFAULT_CONFIGS take a measured entry)",
+        stacklevel=3,
+    )
 
 
 def persistent_grid_size(device: jax.Device | None = None, *, cluster_size: int = 1) -> int:

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from mok_jax import (
     MoEAux,
     MoEConfig,
+    MoEOptions,
     MoEParams,
     compiler_options,
     init_params,
@@ -107,6 +108,15 @@ def assert_close_results(result, expected, dtype) -> None:
 
 
 def with_impl(cfg: MoEConfig, implementation: str, **changes) -> MoEConfig:
+    """cfg with another implementation and `changes`, fields of MoEConfig or of its options
+    (`MoEOptions`: rows, residuals, token_chunk, ...). For an implementation other than
+    `fused` (or "auto"), cfg's `fused` options are left behind: only token_chunk applies."""
+    names = {f.name for f in dataclasses.fields(MoEOptions)}
+    options = {name: changes.pop(name) for name in list(changes) if name in names}
+    base = cfg.options
+    if implementation not in ("fused", "auto"):
+        base = MoEOptions(token_chunk=base.token_chunk)
+    changes["options"] = dataclasses.replace(base, **options)
     return dataclasses.replace(cfg, implementation=implementation, **changes)
 
 

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mok_jax import IMPLEMENTATIONS, MoEConfig, presets, scale_down
+from mok_jax import IMPLEMENTATIONS, MoEConfig, MoEOptions, presets, scale_down
+from mok_jax.config import MOVED_FIELDS
 
 BASE = dict(d_model=64, d_ff=64, num_experts=8, top_k=2)
 
@@ -19,8 +20,14 @@ def test_defaults():
     assert cfg.score_fn == "softmax" and cfg.norm_topk_prob is False
     assert cfg.routed_scaling == 1.0 and cfg.num_groups is None and cfg.topk_groups is None
     assert cfg.num_shared_experts == 0 and cfg.capacity_factor is None
-    assert cfg.dtype == jnp.bfloat16 and cfg.implementation == "xla"
+    assert cfg.dtype == jnp.bfloat16 and cfg.implementation == "auto"
+    assert cfg.options == MoEOptions() and cfg.options.explicit() == ()
     assert set(IMPLEMENTATIONS) == {"reference", "xla", "pallas", "fused"}
+
+
+def test_at_most_twenty_fields():
+    # The model's function and the few parallelism fields; the performance knobs are options.
+    assert len(dataclasses.fields(MoEConfig)) <= 20
 
 
 def test_frozen_keyword_only_hashable():
@@ -50,7 +57,7 @@ def test_dtype_forms(dtype):
         (dict(d_model=64.0), r"d_model=64.0 must be an int"),
         (dict(num_experts=True), r"num_experts=True must be an int"),
         (dict(score_fn="relu"), r"score_fn='relu' must be one of \('softmax', 'sigmoid'\)"),
-        (dict(implementation="cuda"), r"implementation='cuda' must be one of"),
+        (dict(implementation="cuda"), r"implementation='cuda' must be 'auto' or one of"),
         (dict(num_groups=3, topk_groups=1), r"num_groups=3 must divide num_experts=8"),
         (dict(num_groups=8, topk_groups=1), r"each group needs >= 2 experts"),
         (dict(num_groups=4, topk_groups=5), r"topk_groups=5 must be <= num_groups=4"),
@@ -62,15 +69,19 @@ def test_dtype_forms(dtype):
         (dict(aux_loss_coef=-1.0), r"aux_loss_coef=-1.0 must be finite and >= 0"),
         (dict(routed_scaling=float("nan")), r"routed_scaling=nan must be finite"),
         (dict(norm_topk_prob=1), r"norm_topk_prob=1 must be a bool"),
-        (dict(exchange_on_one_device="yes"), r"exchange_on_one_device='yes' must be a bool"),
-        (dict(exchange_fusion="all"), r"exchange_fusion='all' must be one of"),
         (dict(num_shared_experts=-1), r"num_shared_experts=-1 must be >= 0"),
-        (dict(token_chunk=4), r"token_chunk=4 must be >= 8"),
-        (dict(token_chunk=12), r"token_chunk=12 must be a multiple of 8"),
-        (dict(exchange_tile=0), r"exchange_tile=0 must be >= 1"),
-        (dict(fused_rows="both"), r"fused_rows='both' must be one of"),
-        (dict(fused_residuals="h"), r"fused_residuals='h' must be one of"),
-        (dict(fused_recompute="xla"), r"fused_recompute='xla' must be one of"),
+        (dict(options={"rows": "copied"}), r"must be a MoEOptions"),
+        (dict(implementation="fused", dtype="float32"), r"'fused' computes in bfloat16"),
+        (dict(implementation="pallas", d_ff=96), r"'pallas' needs d_ff=96 to be a multiple"),
+        (dict(implementation="fused", exchange="ring"), r"exchange='ring' is for 'xla'"),
+        (
+            dict(implementation="xla", options=MoEOptions(residuals="inputs")),
+            r"options residuals are the 'fused' implementation's, not implementation='xla'",
+        ),
+        (
+            dict(implementation="pallas", options=MoEOptions(exchange_on_one_device=True)),
+            r"options exchange_on_one_device are the 'fused'",
+        ),
     ],
 )
 def test_bad_values_name_themselves(changes, message):
@@ -159,3 +170,87 @@ def test_scale_down_rounds_experts_to_groups():
 def test_scale_down_rejects(kwargs, message):
     with pytest.raises(ValueError, match=message):
         scale_down(presets["tiny"], **kwargs)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(token_chunk=4), r"token_chunk=4 must be 'auto' or an int >= 8"),
+        (dict(token_chunk=12), r"token_chunk=12 must be a multiple of 8"),
+        (dict(token_chunk="big"), r"token_chunk='big' must be 'auto' or an int"),
+        (dict(exchange_tile=0), r"exchange_tile=0 must be 'auto' or an int >= 1"),
+        (dict(exchange_programs=-1), r"exchange_programs=-1 must be"),
+        (dict(exchange_programs=True), r"exchange_programs=True must be"),
+        (dict(rows="both"), r"rows='both' must be 'auto' or one of"),
+        (dict(residuals="h"), r"residuals='h' must be 'auto' or one of"),
+        (dict(recompute="xla"), r"recompute='xla' must be 'auto' or one of"),
+        (dict(exchange_fusion="all"), r"exchange_fusion='all' must be 'auto' or one of"),
+        (dict(exchange_on_one_device="yes"), r"exchange_on_one_device='yes' must be a bool"),
+        (dict(exchange_fusion="forward", exchange_programs=0), r"needs exchange_programs > 0"),
+    ],
+)
+def test_bad_options_name_themselves(changes, message):
+    with pytest.raises(ValueError, match=message):
+        MoEOptions(**changes)
+
+
+def test_with_options_and_token_chunk_everywhere():
+    cfg = MoEConfig(**BASE).with_options(residuals="gate_up", token_chunk=64)
+    assert cfg.options == MoEOptions(residuals="gate_up", token_chunk=64)
+    for impl in ("reference", "xla", "pallas"):  # the token-wise stages' chunk is anyone's
+        MoEConfig(**BASE, implementation=impl, options=MoEOptions(token_chunk=64))
+
+
+def test_options_explicit_names_what_was_set():
+    options = MoEOptions(token_chunk=2048, residuals="gate_up")
+    assert options.explicit() == ("token_chunk", "residuals")
+    assert not options.is_resolved()
+    assert hash(options) == hash(MoEOptions(token_chunk=2048, residuals="gate_up"))
+
+
+def test_to_dict_from_dict_round_trip():
+    cfg = MoEConfig(**BASE, implementation="fused", options=MoEOptions(residuals="gate_up"))
+    assert MoEConfig.from_dict(cfg.to_dict()) == cfg
+    assert MoEConfig.from_dict(presets["deepseek_v3"].to_dict()) == presets["deepseek_v3"]
+
+
+def _saved_before_options(**fields) -> dict:
+    """A config dict as saved before the options moved: the flat fields at their defaults."""
+    data = {k: v for k, v in MoEConfig(**BASE).to_dict().items() if k != "options"}
+    old = dict(
+        exchange_tile=64,
+        exchange_programs=24,
+        exchange_fusion="per_gemm",
+        exchange_on_one_device=False,
+        fused_rows="copied",
+        fused_residuals="inputs",
+        fused_recompute="gmm",
+        token_chunk=None,
+    )
+    return {**data, "implementation": "xla", **old, **fields}
+
+
+def test_from_dict_reads_the_flat_fields_with_a_warning_naming_new_places():
+    with pytest.warns(DeprecationWarning) as record:
+        cfg = MoEConfig.from_dict(_saved_before_options())
+    message = str(record[0].message)
+    for old, new in MOVED_FIELDS.items():
+        assert f"{old} -> options.{new}" in message
+    # Saved defaults read as "auto" (which resolves to them); token_chunk None as its number,
+    # 8 row tiles, so the token-wise stages keep their bits.
+    assert cfg.options == MoEOptions(token_chunk=8 * cfg.row_tile)
+    assert cfg.implementation == "xla"
+
+
+def test_from_dict_keeps_saved_choices():
+    saved = _saved_before_options(
+        implementation="fused", fused_residuals="gate_up", token_chunk=2048, exchange_tile=16
+    )
+    with pytest.warns(DeprecationWarning):
+        cfg = MoEConfig.from_dict(saved)
+    assert cfg.options == MoEOptions(residuals="gate_up", token_chunk=2048, exchange_tile=16)
+
+
+def test_from_dict_rejects_unknown_fields():
+    with pytest.raises(ValueError, match=r"no fields \['colour'\]"):
+        MoEConfig.from_dict({**MoEConfig(**BASE).to_dict(), "colour": "blue"})

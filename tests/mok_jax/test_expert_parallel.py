@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 import mok_jax
-from mok_jax import MoEConfig, compiler_options, make_mesh
+from mok_jax import MoEConfig, MoEOptions, compiler_options, make_mesh
 from mok_jax.mesh import ShardingRules
 from tests.mok_jax.cases import (
     SCALED_PRESETS,
@@ -126,7 +126,7 @@ class ExpertParallelTest(parameterized.TestCase):
         # token_chunk 16 (the default here is 8 * row_tile = 64): the route, combine and shared
         # expert run 4 chunks of the 64 tokens unsharded, 2 (8 tokens, padded) per device on 8
         # devices; the chunk's shape, not the count, fixes the bits (tiles.token_tiled).
-        cfg = dataclasses.replace(DSV3, token_chunk=16)
+        cfg = dataclasses.replace(DSV3, options=MoEOptions(token_chunk=16))
         self.assert_sharded_matches(cfg, mesh_of("expert"))
 
     def test_capacity_drops_like_unsharded(self):

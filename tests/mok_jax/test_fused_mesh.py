@@ -22,7 +22,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mok_jax import exchange_protocol, make_mesh, presets
+from mok_jax import (
+    MoEOptions,
+    exchange_protocol,
+    gpu_target,
+    make_mesh,
+    presets,
+    resolve,
+    targeting,
+)
+from mok_jax.resolve import GPU_TOKEN_CHUNK
 from pallas_kernels.exchange import mosaic_gpu, reference
 from tests.mok_jax.cases import (
     SCALED_PRESETS,
@@ -87,7 +96,7 @@ QWEN3 = dataclasses.replace(
     top_k=2,
     row_tile=8,
     buffer_factor=0.25,
-    exchange_tile=4,
+    options=MoEOptions(exchange_tile=4),
 )
 NUM_TOKENS = 32
 
@@ -120,6 +129,30 @@ def test_two_devices_equal_one():
             assert_same_rows(result, base, QWEN3.dtype)
 
 
+def test_automatic_choices_keep_the_bits_across_meshes():
+    """implementation and options "auto", built for an H100 (its kernels run in GPU interpret
+    mode here): without a mesh the rules keep gate and up (residuals "gate_up"); on EP 2 the
+    in-kernel exchange's backward recomputes them ("inputs"); y and dx are the same bits."""
+    h100 = dataclasses.replace(gpu_target("NVIDIA H100 80GB HBM3"), run_interpreted=True)
+    cfg = dataclasses.replace(QWEN3, implementation="auto")
+    x, params, cotangent = random_inputs(cfg, NUM_TOKENS, 0)
+    ep2 = make_mesh("expert", devices=jax.devices()[:2])
+    alone = resolve(cfg, num_tokens=NUM_TOKENS, target=h100).config
+    meshed = resolve(cfg, num_tokens=NUM_TOKENS // 2, meshed=True, expert_devices=2, target=h100)
+    assert alone.implementation == meshed.config.implementation == "fused"
+    assert (alone.options.residuals, meshed.config.options.residuals) == ("gate_up", "inputs")
+    with targeting(h100):
+        base = value_and_grads(x, params, cotangent, cfg, None)
+        with gpu_interpret_on_several_devices():
+            result = value_and_grads(x, params, cotangent, cfg, ep2)
+    assert int(result[0][1][1].rounds) >= 2
+    assert_same_rows(result, base, cfg.dtype)
+    # And those are the bits of `fused` with residuals "inputs" on one device (at the GPU's
+    # token chunk: the chunk changes y's last bits).
+    inputs = with_impl(QWEN3, "fused", residuals="inputs", token_chunk=GPU_TOKEN_CHUNK)
+    assert_same_rows(result, one_device(inputs, 0), cfg.dtype)
+
+
 def test_forced_imbalance_takes_rounds_and_drops_nothing():
     """EP 2 with every token sent to two experts of device 0 (device 1's experts get nothing):
     device 0 receives every row, twice its balanced load, through a buffer of half of it, so
@@ -139,17 +172,19 @@ def test_forced_imbalance_takes_rounds_and_drops_nothing():
     assert_same_rows(result, base, cfg.dtype)
 
 
-@pytest.mark.parametrize("rows,residuals", [("gathered", "inputs"), ("copied", "gate_up")])
-def test_a_data_axes_mesh_runs_each_device_as_one(rows, residuals):
-    """2 devices on the data axis (an expert axis of one device): `fused` with gathered rows
-    (copied under a mesh: the gathered rows' kernel takes no operand that varies over mesh
-    axes) or with the forward's h, gate and up kept, as without a mesh: y and dx the bits of
-    one device, in one round."""
-    cfg = with_impl(QWEN3, "fused", fused_rows=rows, fused_residuals=residuals)
+@pytest.mark.parametrize("residuals", ["inputs", "gate_up"])
+def test_a_data_axes_mesh_runs_each_device_as_one(residuals):
+    """2 devices on the data axis (an expert axis of one device): `fused` with or without the
+    forward's h, gate and up kept, as without a mesh: y and dx the bits of one device, in one
+    round. Gathered rows cannot run there (the gathered rows' kernel takes no operand that
+    varies over mesh axes): asked for, they raise rather than run copied."""
+    cfg = with_impl(QWEN3, "fused", residuals=residuals)
     x, params, cotangent = random_inputs(cfg, NUM_TOKENS, 0)
     dp2 = make_mesh("data_expert", data=2, devices=jax.devices()[:2])
     with gpu_interpret_on_several_devices():
         result = value_and_grads(x, params, cotangent, cfg, dp2)
+        with pytest.raises(ValueError, match="rows='gathered' cannot run under a mesh"):
+            value_and_grads(x, params, cotangent, with_impl(cfg, "fused", rows="gathered"), dp2)
     assert int(result[0][1][1].rounds) == 1
     assert_same_rows(result, one_device(cfg, 0), cfg.dtype)
 
@@ -196,7 +231,7 @@ def test_nothing_reads_the_rows_the_kernel_leaves_unspecified(recompute, buffer_
     window one round whose buffer has more than TAIL_ZERO_ROWS slots past the groups), and
     y, dx and every parameter gradient must still be finite and, for y and dx, the bits of
     one device."""
-    cfg = with_impl(QWEN3, "fused", fused_recompute=recompute, buffer_factor=buffer_factor)
+    cfg = with_impl(QWEN3, "fused", recompute=recompute, buffer_factor=buffer_factor)
     result = nan_run(cfg, num_tokens)
     for leaf in jax.tree.leaves(result):
         assert np.isfinite(np.asarray(leaf, np.float32)).all(), leaf
@@ -205,7 +240,7 @@ def test_nothing_reads_the_rows_the_kernel_leaves_unspecified(recompute, buffer_
         assert int(aux.rounds) == 1
         # The window: min(4 x 256 rows, 128 tokens x top-2 x EP 2) = 512 rows, 4 experts a
         # device; a device's groups end at its rows, each expert's padded to whole tiles.
-        tile = cfg.exchange_tile
+        tile = cfg.options.exchange_tile
         slots = exchange_protocol.num_tiles(512, tile, 4) * tile
         counts_dg = np.asarray(aux.tokens_per_expert).reshape(2, 4)
         ends_d = np.sum(-(-counts_dg // tile) * tile, axis=1)
@@ -319,7 +354,7 @@ def test_lowered_for_cuda_on_8_devices(layout):
     assert "all_gather" in text  # the per-expert counts
     assert "io_callback" not in text  # no interpret mode left
     if layout == "ep8":  # exchange_programs 0: the dispatch is a kernel of its own
-        separate = dataclasses.replace(cfg, exchange_programs=0)
+        separate = with_impl(cfg, "fused", exchange_programs=0)
         text = lowered_with_kernels(x, params, cotangent, separate, mesh)
         assert not OVERLAPPED_DISPATCH.search(text)
         assert not OVERLAPPED_RETURN.search(text)
@@ -328,7 +363,7 @@ def test_lowered_for_cuda_on_8_devices(layout):
         # recompute "kernel": its first backward GEMM also recomputes gate and up, and the
         # backward's dispatch runs in kernels of their own; the input gradient still returns
         # inside its GEMM's kernel.
-        fused_bwd = dataclasses.replace(cfg, fused_recompute="kernel")
+        fused_bwd = with_impl(cfg, "fused", recompute="kernel")
         text = lowered_with_kernels(x, params, cotangent, fused_bwd, mesh)
         assert OVERLAPPED_DISPATCH.search(text)
         assert not OVERLAPPED_COTANGENT.search(text)
@@ -336,10 +371,10 @@ def test_lowered_for_cuda_on_8_devices(layout):
         # exchange_fusion "forward": a round's forward is one kernel (at least twice, as the
         # two it replaces), with the reader's fence; the backward's kernels stay. Its down
         # tiles split between two consumers as the gate/up ones do: D a multiple of 128.
-        narrow = dataclasses.replace(cfg, exchange_fusion="forward")
-        with pytest.raises(ValueError, match="exchange_fusion='per_gemm'"):
+        narrow = with_impl(cfg, "fused", exchange_fusion="forward")
+        with pytest.raises(ValueError, match="exchange_fusion='forward' needs d_model=64"):
             lowered_with_kernels(x, params, cotangent, narrow, mesh)
-        one_kernel = dataclasses.replace(cfg, d_model=128, exchange_fusion="forward")
+        one_kernel = with_impl(cfg, "fused", d_model=128, exchange_fusion="forward")
         x, params, cotangent = random_inputs(one_kernel, 64, 0)
         text = lowered_with_kernels(x, params, cotangent, one_kernel, mesh)
         forward = [line for line in text.splitlines() if ONE_KERNEL_FORWARD.search(line)]
@@ -362,7 +397,7 @@ def test_gpu_one_device_mesh_equals_no_mesh(fusion):
     x, params, cotangent = random_inputs(cfg, 2048, 0)
     base = value_and_grads(x, params, cotangent, cfg, None)
     mesh = make_mesh("expert", devices=jax.devices()[:1])
-    with_exchange = dataclasses.replace(cfg, exchange_on_one_device=True, exchange_fusion=fusion)
+    with_exchange = with_impl(cfg, "fused", exchange_on_one_device=True, exchange_fusion=fusion)
     runs = [(with_exchange, True)] + [(cfg, False)] * (fusion == "per_gemm")
     for run_cfg, several in runs:
         result = value_and_grads(x, params, cotangent, run_cfg, mesh)

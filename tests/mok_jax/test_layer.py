@@ -273,11 +273,11 @@ class FusedLayerTest(chex.TestCase):
         chex.assert_trees_all_equal(y, y_pallas)
 
     def test_rows_gathered_by_the_kernel_give_the_copied_rows_bits(self):
-        # fused_rows: the gate/up kernel loading its rows from the tokens itself, or running on
+        # options.rows: the gate/up kernel loading its rows from the tokens itself, or running on
         # their copy, are the same product (invariant 8 of the grouped-GEMM kernels), and the
         # backward is the same: values and gradients bit for bit.
-        cfg = with_impl(SCALED_PRESETS["qwen3_30b_a3b"], "fused", fused_rows="gathered")
-        copied_cfg = dataclasses.replace(cfg, fused_rows="copied")
+        cfg = with_impl(SCALED_PRESETS["qwen3_30b_a3b"], "fused", rows="gathered")
+        copied_cfg = with_impl(cfg, "fused", rows="copied")
         x, params, cotangent = random_inputs(cfg, 24, seed=4)
         gathered = value_and_grads(x, params, cotangent, cfg=cfg)
         copied = value_and_grads(x, params, cotangent, cfg=copied_cfg)
@@ -286,17 +286,17 @@ class FusedLayerTest(chex.TestCase):
         copy = f"bf16[{24 * cfg.top_k},{cfg.d_model}] = gather"
         for c, copies in ((cfg, False), (copied_cfg, True)):
             forward = jax.make_jaxpr(lambda x, p, c=c: moe(x, p, c)[0])(x, params)
-            self.assertEqual(copy in str(forward), copies, c.fused_rows)
+            self.assertEqual(copy in str(forward), copies, c.options.rows)
 
     def test_saved_gate_up_match_reference_with_two_gemm_passes_fewer(self):
-        # fused_residuals="gate_up": the forward's kernel also stores gate and up, and the
+        # residuals="gate_up": the forward's kernel also stores gate and up, and the
         # backward uses them (and h) instead of recomputing: same y, gradients to tolerance (the
         # SwiGLU derivative sees gate and up rounded to bf16), two GEMM passes fewer: one gmm
-        # for dy @ w_down.T where "inputs" runs three (fused_recompute="gmm") or
+        # for dy @ w_down.T where "inputs" runs three (recompute="gmm") or
         # gmm_swiglu_bwd (gate, up and that product in one kernel: "kernel").
-        cfg = with_impl(SCALED_PRESETS["qwen3_30b_a3b"], "fused", fused_residuals="gate_up")
-        inputs_cfg = dataclasses.replace(cfg, fused_residuals="inputs")
-        kernel_cfg = dataclasses.replace(inputs_cfg, fused_recompute="kernel")
+        cfg = with_impl(SCALED_PRESETS["qwen3_30b_a3b"], "fused", residuals="gate_up")
+        inputs_cfg = with_impl(cfg, "fused", residuals="inputs")
+        kernel_cfg = with_impl(inputs_cfg, "fused", recompute="kernel")
         x, params, cotangent = random_inputs(cfg, 24, seed=6)
         result = value_and_grads(x, params, cotangent, cfg=cfg)
         reference = value_and_grads(x, params, cotangent, cfg=with_impl(cfg, "reference"))
@@ -363,14 +363,14 @@ class FusedLayerTest(chex.TestCase):
             with_impl(TINY, "fused", dtype=jnp.float32)
         with self.assertRaisesRegex(ValueError, "'fused' needs d_model=96 to be a multiple of 64"):
             with_impl(TINY, "fused", d_model=96)
-        with self.assertRaisesRegex(ValueError, "fused_rows='both' must be one of"):
-            with_impl(TINY, "fused", fused_rows="both")
+        with self.assertRaisesRegex(ValueError, "rows='both' must be 'auto' or one of"):
+            with_impl(TINY, "fused", rows="both")
 
 
 def test_token_chunk_sets_the_token_wise_stages_steps():
     # 40 tokens in chunks of 16: route and combine map 3 chunks of [16, ...]; by default
     # (8 * row_tile = 64 tokens) 2 chunks, the second all padding.
-    cfg = dataclasses.replace(TINY, token_chunk=16)
+    cfg = with_impl(TINY, TINY.implementation, token_chunk=16)
     x, params, _ = random_inputs(cfg, 40)
     text = str(jax.make_jaxpr(lambda x, p: moe(x, p, cfg))(x, params))
     assert f"[3,16,{cfg.d_model}]" in text

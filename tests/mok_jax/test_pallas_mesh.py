@@ -16,7 +16,6 @@ import contextlib
 import dataclasses
 import functools
 import re
-from unittest import mock
 
 import chex
 import jax
@@ -90,9 +89,9 @@ def gpu_interpret_on_several_devices():
 
 
 def lowered_with_kernels(x, params, cotangent, cfg, mesh) -> str:
-    """`lowered_for_cuda` with the kernels themselves: the layer picks GPU interpret mode when
-    the default backend is a CPU, so here it is told the backend is a GPU."""
-    with mock.patch.object(jax, "default_backend", return_value="gpu"):
+    """`lowered_for_cuda` with the kernels themselves: the layer runs them in GPU interpret
+    mode when its target is a CPU, so here it is built for an H200."""
+    with mok_jax.targeting("NVIDIA H200"):
         return lowered_for_cuda(x, params, cotangent, cfg, mesh)
 
 

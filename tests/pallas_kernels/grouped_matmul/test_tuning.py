@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -74,6 +76,25 @@ def test_grid_size_with_clusters_is_the_resident_clusters_of_the_table():
     assert tuning.persistent_grid_size(cpu, cluster_size=2) == 132
     assert tuning.persistent_grid_size(cpu, cluster_size=4) == 120
     assert tuning.persistent_grid_size(cpu, cluster_size=8) == 128  # not in the table: every SM
+
+
+class _FakeGpu:
+    platform = "gpu"
+    core_count = 78
+
+    def __init__(self, kind: str):
+        self.device_kind = kind
+
+
+def test_an_unknown_gpu_is_named_in_a_warning_once():
+    with pytest.warns(UserWarning, match="no tuning for 'NVIDIA H20'.*'NVIDIA H200'"):
+        assert tuning.resolve_device_kind(_FakeGpu("NVIDIA H20")) == tuning.TARGET_DEVICE_KIND
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tuning.resolve_device_kind(_FakeGpu("NVIDIA H20"))  # once per kind
+        assert tuning.resolve_device_kind(_FakeGpu("NVIDIA H200")) == "NVIDIA H200"
+    with pytest.warns(UserWarning):
+        assert tuning.persistent_grid_size(_FakeGpu("NVIDIA GH200 480GB")) == 78  # its own SMs
 
 
 @pytest.mark.gpu
