@@ -63,8 +63,9 @@ def _dot(a: Array, b: Array, dtype: np.dtype) -> Array:
 
 
 def token_chunk(token_chunk: int | None, row_tile: int) -> int:
-    """C, the tokens a chunk of the token-wise stages: MoEConfig.token_chunk, by default
-    TILES_PER_STEP * row_tile."""
+    """C, the tokens a chunk of the token-wise stages: `token_chunk`, or for None the CPU's
+    automatic chunk, TILES_PER_STEP * row_tile (the layer itself reads MoEOptions.token_chunk,
+    resolved by `mok_jax.resolve`)."""
     return token_chunk if token_chunk is not None else TILES_PER_STEP * row_tile
 
 
