@@ -38,7 +38,7 @@ from mok_jax.params import MoEParams, validate_params
 from mok_jax.permute import rows_to_slots, sum_kept_slots, sum_slots, take_rows, tokens_to_rows
 from mok_jax.plan import Plan, make_plan
 from mok_jax.reference import moe_reference
-from mok_jax.resolve import resolve
+from mok_jax.resolve import Resolution, resolve
 from mok_jax.routed import RoutedSpec, routed_experts
 from mok_jax.routing import (
     MoEAux,
@@ -427,17 +427,21 @@ def _context_mesh():
     return None if mesh.empty else mesh
 
 
-def _resolved(cfg: MoEConfig, num_tokens: int, mesh, rules: ShardingRules | None) -> MoEConfig:
-    """cfg with its "auto" choices made for this call (`mok_jax.resolve`)."""
+def resolution(
+    cfg: MoEConfig, num_tokens: int, mesh=None, rules: ShardingRules | None = None
+) -> Resolution:
+    """What `moe` resolves cfg's "auto" choices to for `num_tokens` tokens in all (over the
+    mesh's token-sharding devices, with `rules`' default; `mok_jax.resolve`)."""
     if mesh is None:
-        return resolve(cfg, num_tokens=num_tokens).config
+        return resolve(cfg, num_tokens=num_tokens)
+    rules = ShardingRules() if rules is None else rules
     devices = math.prod(mesh.shape[a] for a in rules.tokens)
     return resolve(
         cfg,
         num_tokens=num_tokens // devices,
         meshed=True,
         expert_devices=mesh.shape[rules.experts],
-    ).config
+    )
 
 
 def moe(
@@ -492,7 +496,7 @@ def moe(
     if mesh is not None:
         rules = ShardingRules() if rules is None else rules
         rules.check(mesh, cfg, num_tokens)
-    cfg = _resolved(cfg, num_tokens, mesh, rules)
+    cfg = resolution(cfg, num_tokens, mesh, rules).config
     if num_tokens == 0:
         return _no_tokens(x, cfg)
     if mesh is None:

@@ -196,17 +196,25 @@ class Target:
     @classmethod
     def of(cls, device: jax.Device) -> Target:
         """The target of a device JAX holds."""
-        memory = None
-        if device.platform == "gpu":
-            stats = device.memory_stats() or {}
-            memory = stats.get("bytes_limit")
         capability = getattr(device, "compute_capability", None)
         return cls(
             platform=device.platform,
             device_kind=device.device_kind,
             compute_capability=None if capability is None else str(capability),
-            memory_bytes=memory,
+            memory_bytes=device_memory(device),
         )
+
+
+def device_memory(device: jax.Device) -> int | None:
+    """The bytes the device's allocator may use, or None where it does not say (CPUs, and
+    devices whose runtime does not implement memory statistics)."""
+    if device.platform == "cpu":
+        return None
+    try:
+        stats = device.memory_stats()
+    except (NotImplementedError, RuntimeError):
+        return None
+    return None if not stats else stats.get("bytes_limit")
 
 
 # GPUs a target may name without holding one (lowering for CUDA on a CPU, tests of the rules):

@@ -38,7 +38,7 @@ import dataclasses
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from mok_jax.config import IMPLEMENTATIONS, MoEConfig
+from mok_jax.config import MoEConfig
 from mok_jax.options import (
     AUTO,
     EXCHANGE_OPTIONS,
@@ -91,22 +91,22 @@ class Resolution:
     config: MoEConfig
     reasons: Mapping[str, str]
 
+    def choices(self) -> dict[str, tuple[object, str]]:
+        """name -> (value, why) of the implementation and of each option that applies."""
+        values = {"implementation": self.config.implementation}
+        values.update(dataclasses.asdict(self.config.options))
+        return {name: (values[name], why) for name, why in self.reasons.items()}
+
     def report(self) -> str:
         """The choices, one line each: `name = value: why`."""
-        cfg = self.config
-        values = {"implementation": cfg.implementation, **_options_dict(cfg.options)}
-        return "\n".join(f"{name} = {values[name]!r}: {why}" for name, why in self.reasons.items())
+        return "\n".join(f"{n} = {v!r}: {why}" for n, (v, why) in self.choices().items())
 
     def summary(self) -> str:
         """One line: the implementation and the options that apply, with their values."""
-        cfg = self.config
-        parts = [f"{name}={value!r}" for name, value in _options_dict(cfg.options).items()
-                 if name in self.reasons]  # fmt: skip
-        return f"MoE {cfg.implementation!r} ({', '.join(parts)})"
-
-
-def _options_dict(options: MoEOptions) -> dict:
-    return {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
+        choices = self.choices()
+        fields = [f.name for f in dataclasses.fields(MoEOptions) if f.name in choices]
+        parts = ", ".join(f"{name}={choices[name][0]!r}" for name in fields)
+        return f"MoE {self.config.implementation!r} ({parts})"
 
 
 def resolve_implementation(cfg: MoEConfig, target: Target | None = None) -> tuple[str, str]:
@@ -281,6 +281,3 @@ def resolve(
     options, reasons = _resolve_options(cfg, impl, ctx)
     config = dataclasses.replace(cfg, implementation=impl, options=options)
     return Resolution(config=config, reasons=MappingProxyType({"implementation": why, **reasons}))
-
-
-__all__ = ["IMPLEMENTATIONS", "Context", "Resolution", "resolve", "resolve_implementation"]

@@ -381,7 +381,9 @@ def train(
     checkpoints = Checkpoints(workdir)
     start = int(jax.device_get(state.step))
     if run.pid == 0:
-        resolved = _resolved_choices(trainer.moe_resolution)
+        # What "auto" resolved to, with the reasons, beside the config that says "auto".
+        choices = trainer.moe_resolution.choices().items()
+        resolved = {name: {"value": v, "why": why} for name, (v, why) in choices}
         extra = {"train": dataclasses.asdict(train_cfg), "moe_resolved": resolved}
         write_config(workdir, trainer.model_cfg, extra)
     say(
@@ -517,14 +519,6 @@ def _peak_memory() -> int | None:
     """The most memory the first local device held so far (None where it does not say)."""
     stats = jax.local_devices()[0].memory_stats()
     return None if not stats else stats.get("peak_bytes_in_use")
-
-
-def _resolved_choices(resolution) -> dict:
-    """The MoE layer's resolved implementation and options that apply, with the reasons: what
-    config.json records beside the "auto" it saves."""
-    cfg = resolution.config
-    values = {"implementation": cfg.implementation, **dataclasses.asdict(cfg.options)}
-    return {name: {"value": values[name], "why": why} for name, why in resolution.reasons.items()}
 
 
 def _plan_line(trainer) -> str:

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
+from mok_jax.options import device_memory as device_memory  # the step's fit check reads it here
 from train.config import REMATS, ModelConfig, Remat, TrainConfig
 from train.model import Block, Group
 
@@ -97,17 +98,6 @@ class MemoryEstimate:
 
     def fits(self, device_bytes: int | None) -> bool:
         return device_bytes is None or self.total <= FIT_FRACTION * device_bytes
-
-
-def device_memory(device: jax.Device) -> int | None:
-    """The bytes the device's allocator may use, or None where it does not say (CPUs)."""
-    if device.platform == "cpu":
-        return None
-    try:
-        stats = device.memory_stats()
-    except (NotImplementedError, RuntimeError):
-        return None
-    return None if not stats else stats.get("bytes_limit")
 
 
 def _shard_size(leaf: Any) -> int:

@@ -27,6 +27,7 @@ from jax import Array, lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import mok_jax
+from mok_jax.layer import resolution
 from train import compile_cache, memory
 from train.compile_cache import CompileTimes
 from train.config import REMATS, ModelConfig, TrainConfig
@@ -218,19 +219,12 @@ class Trainer:
 
     def _resolve_moe(self) -> mok_jax.Resolution:
         """What the MoE layers resolve their "auto" choices to inside the step (they do it
-        themselves when traced, from the same facts: the tokens a device's layer sees per
-        microbatch, the mesh and the device); for the run's printout and config.json. Raises
-        ValueError, before anything compiles, for a choice that cannot run."""
-        cfg, mesh = self.train_cfg, self.mesh
+        themselves when traced, from the same facts: a microbatch's tokens, the mesh and the
+        device); for the run's printout and config.json. Raises ValueError, before anything
+        compiles, for a choice that cannot run."""
+        cfg = self.train_cfg
         tokens = cfg.batch_size * cfg.seq_len // cfg.grad_accum
-        if mesh is None:
-            return mok_jax.resolve(self.model_cfg.moe, num_tokens=tokens)
-        return mok_jax.resolve(
-            self.model_cfg.moe,
-            num_tokens=tokens // mesh.size,
-            meshed=True,
-            expert_devices=mesh.shape["expert"],
-        )
+        return resolution(self.model_cfg.moe, tokens, self.mesh)
 
     @property
     def devices(self) -> list[jax.Device]:
