@@ -5,7 +5,11 @@ atomics, fixed reduction orders. On GPU, XLA's autotuner picks each GEMM's algor
 candidates while it compiles, so two processes can compile different algorithms, with different
 accumulation orders, and the `xla` implementation's bits can differ between them (seen on the
 H200 on 2026-11-30). Turning the autotuner off for that one executable makes the choice a
-function of the shapes. These are per-executable options, not process-wide flags:
+function of the shapes. Untimed, XLA's own Triton GEMMs fall back to one default tiling that ran
+the training step's dense projections at a few percent of an H100's bf16 rate, so the options
+also send XLA's GEMMs to cuBLAS, whose heuristics pick an algorithm from the shapes alone (and
+whose results are bitwise repeatable on one GPU model, by its documentation). These are
+per-executable options, not process-wide flags:
 
     step = jax.jit(train_step, compiler_options=mok_jax.compiler_options())
 
@@ -23,9 +27,10 @@ anything.
 from __future__ import annotations
 
 
-def deterministic_compiler_options() -> dict[str, int]:
-    """Compile options that make XLA:GPU pick GEMM algorithms without timing them."""
-    return {"xla_gpu_autotune_level": 0}
+def deterministic_compiler_options() -> dict[str, int | bool]:
+    """Compile options that make XLA:GPU pick GEMM algorithms without timing them: no autotuner,
+    XLA's GEMMs on cuBLAS (chosen by its heuristics) rather than untuned Triton tilings."""
+    return {"xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False}
 
 
 def compiler_options() -> dict[str, int | bool]:
