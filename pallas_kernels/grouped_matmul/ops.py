@@ -20,11 +20,12 @@
               stored) and forms g = dy @ w_down[g].T (dy rounded to the compute dtype), h (the
               forward's bits), [d_gate | d_up] with dh = s * g, and d_s = rowsum(h * g) over F
               (no recomputed down projection), in one of two ways (`Recompute`):
-              "gmm", three f32 gmm products then XLA's elementwise pass, on gate and up
-              rounded to the compute dtype as the forward keeps them; "kernel", ONE kernel,
+              "gmm", the forward's gmm_swiglu kernel again (h, gate and up in the compute
+              dtype, the bits a kept forward hands over) and one f32 gmm for g, then XLA's
+              elementwise pass; "kernel", ONE kernel,
               `mosaic_gpu.gmm_swiglu_bwd`, whose epilogue forms them from the f32 gate and up
               with no f32 [M, F] array in HBM. Then gmm_swiglu's d_lhs and weight gradients,
-              and d_w_down = tgmm(h, s * dy): 8 GEMM passes (in 6 kernels or 4), against the 11 of
+              and d_w_down = tgmm(h, s * dy): 8 GEMM passes (in 5 kernels or 4), against the 11 of
               gmm_swiglu's and gmm's VJPs chained (whose h, gate/up and unscaled output are
               each recomputed). With `saved` (h, gate, up of the forward) g is one gmm and the
               rest as gmm_swiglu's backward: 6 passes, and "gmm"'s gradient bits.
@@ -442,16 +443,20 @@ def swiglu_mlp_grads_from_g(
 
 
 def _recomputed(static, lhs, w_gate, w_up, group_sizes) -> tuple[Array, Array, Array]:
-    """(h, gate, up) recomputed by two gmm (recompute "gmm"), all three in lhs's dtype: the
-    bits of gmm_swiglu(gate_up_out=True)'s outputs."""
-    gate, up = _gate_up(static, lhs, w_gate, w_up, group_sizes)
-    # 1. h from the f32 gate and up, with the kernel epilogue's formula: the forward's bits.
-    h = (gate / (1.0 + jnp.exp(-gate)) * up).astype(lhs.dtype)
-    # 2. Invariant: gate and up are rounded to the compute dtype as the forward's kernel keeps
-    #    them (its epilogue casts the same f32 accumulators to lhs's dtype), so the backward
-    #    that recomputes them and the one handed the kept ones (`saved`, a `fused` layer's
-    #    residuals "gate_up") feed `_grads_from_g` the same values: the same gradient bits.
-    return h, gate.astype(lhs.dtype), up.astype(lhs.dtype)
+    """(h, gate, up) recomputed (recompute "gmm"), all three in lhs's dtype, by the forward's
+    own kernel: gmm_swiglu(gate_up_out=True), whose outputs a `fused` layer with residuals
+    "gate_up" keeps.
+
+    Invariant: the backward that recomputes them and the one handed the kept ones feed
+    `_grads_from_g` the same bits, on a GPU too. There the kernel's epilogue computes h with
+    its own exp and division, which XLA's need not match bit for bit (measured on an H100: h
+    recomputed in XLA from two gmm products changed dx and the weights' gradients), so h, gate
+    and up all come from the one kernel (a row's bits do not depend on where its group starts:
+    gmm invariant 1)."""
+    h, gate, up = mosaic_gpu.gmm_swiglu(
+        lhs, w_gate, w_up, group_sizes, gate_up_out=True, interpret=static.interpret
+    )
+    return like(h, lhs), like(gate, lhs), like(up, lhs)
 
 
 _swiglu_mlp.defvjp(_swiglu_mlp_fwd, _swiglu_mlp_bwd)
