@@ -602,16 +602,9 @@ def check_determinism(model_cfg: ModelConfig, train_cfg: TrainConfig) -> Determi
     and compares the losses and the final parameters bit for bit."""
     mesh = _mesh(train_cfg, model_cfg)
     run = _Run(model_cfg, train_cfg, mesh, data_lib.load_bytes(train_cfg.data))
-    results = []
-    for _ in range(2):
-        state = run.trainer.init_state()
-        losses = []
-        for step in range(train_cfg.steps):
-            state, metrics = run.trainer.train_step(state, *run.batch(step))
-            losses.append(metrics["loss"])
-        losses = [np.asarray(loss) for loss in jax.device_get(losses)]
-        results.append((losses, host_params(state.params)))
-    (losses_a, params_a), (losses_b, params_b) = results
+    # One run at a time: the first run's state is freed before the second is built (two
+    # states and a step's workspace need not fit the device together).
+    (losses_a, params_a), (losses_b, params_b) = (_losses_and_params(run, train_cfg) for _ in "ab")
     differ = [
         i
         for i, (a, b) in enumerate(zip(losses_a, losses_b, strict=True))
@@ -628,6 +621,17 @@ def check_determinism(model_cfg: ModelConfig, train_cfg: TrainConfig) -> Determi
         first_difference=differ[0] + 1 if differ else None,
         losses=([float(x) for x in losses_a], [float(x) for x in losses_b]),
     )
+
+
+def _losses_and_params(run: _Run, train_cfg: TrainConfig) -> tuple[list[np.ndarray], Any]:
+    """`train_cfg.steps` steps from a fresh state: the losses and the final parameters, on
+    the host; nothing of the run stays on the device."""
+    state = run.trainer.init_state()
+    losses = []
+    for step in range(train_cfg.steps):
+        state, metrics = run.trainer.train_step(state, *run.batch(step))
+        losses.append(metrics["loss"])
+    return [np.asarray(loss) for loss in jax.device_get(losses)], host_params(state.params)
 
 
 def summary_json(summary: Summary) -> str:
