@@ -518,3 +518,18 @@ def test_gpu_kernels_real_size_match_reference(implementation):
         (_, (y, _)), _ = first
         (_, (y_pallas, _)), _ = value_and_grads(x, params, cotangent, cfg=with_impl(cfg, "pallas"))
         chex.assert_trees_all_equal(y, y_pallas)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qwen3_30b_a3b", "deepseek_v3_e32"])
+def test_gpu_fused_residual_modes_give_the_same_bits(name):
+    """`fused` with residuals "gate_up" (the forward kernel's h, gate and up kept) and with
+    "inputs" (recomputed by the same kernel in the backward): the same y and gradient bits on
+    the GPU's kernels, so the automatic choice between them (gate_up on one device, inputs
+    under the in-kernel exchange) keeps the bits contract."""
+    cfg, num_tokens = GPU_LAYERS[name]
+    cfg = with_impl(cfg, "fused")
+    x, params, cotangent = random_inputs(cfg, num_tokens, seed=11)
+    kept = value_and_grads(x, params, cotangent, cfg=cfg.with_options(residuals="gate_up"))
+    recomputed = cfg.with_options(residuals="inputs", recompute="gmm")
+    chex.assert_trees_all_equal(kept, value_and_grads(x, params, cotangent, cfg=recomputed))
