@@ -695,3 +695,14 @@ def test_moe_layer_fwd_bwd_returns_y_not_the_cancelling_loss():
         np.testing.assert_allclose(
             np.asarray(out, np.float32), np.asarray(expected, np.float32), rtol=2**-7, atol=2**-7
         )
+
+
+def test_gemm_options_times_the_backward_products_and_sums_their_bits(monkeypatch):
+    from bench import gemm_options
+
+    monkeypatch.setitem(gemm_options.SHAPES, "tiny", (32, 16, 8))
+    got = gemm_options.measure("cublas_untuned", "tiny")
+    assert got["ms"] > 0 and got["tflops"] == pytest.approx(4 * 32 * 16 * 8 / got["ms"] / 1e9)
+    # dx and dw: their bf16 bits summed, the same in a second call.
+    assert len(got["checksum"]) == 2
+    assert got["checksum"] == gemm_options.measure("cublas_untuned", "tiny")["checksum"]
