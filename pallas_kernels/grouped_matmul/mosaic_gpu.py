@@ -129,7 +129,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -244,6 +244,329 @@ def _cluster_axes(config: TileConfig) -> tuple[str, ...]:
     return tuple(axis for axis in ("cluster_m", "cluster_n") if getattr(config, axis) == 2)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Refs:
+    """A kernel body's refs by role, after the schedule and lhs (see `_split_refs`)."""
+
+    dy: Any  # swiglu_bwd's second lhs (invariant 10), else None
+    rows: Any  # gathered rows: row r of the product is lhs row rows[r] (invariant 8), else None
+    rhs: tuple  # each rhs as rhs_k_parts refs, its consecutive parts along K (invariant 9)
+    scale: Any  # f32 row scale, else None
+    outs: tuple
+    stored: tuple[tuple[Any, int], ...]  # (output, its first column) of each stored value
+    ds: Any  # swiglu_bwd with a row scale: the d_s partials (invariant 10), else None
+
+
+def _split_refs(
+    refs,
+    *,
+    num_rhs: int,
+    rhs_k_parts: int,
+    has_row_scale: bool,
+    gather_rows: bool,
+    swiglu_bwd: bool,
+    num_outs: int,
+) -> _Refs:
+    """The refs after the schedule and lhs: [dy], [rows], rhs parts, [scale], outputs. The
+    outputs: one, then (SwiGLU with gate_up_out) the gate and up projections, rounded alike;
+    swiglu_bwd: h [M, F], [d_gate | d_up] [M, 2F], then with a row scale the d_s partials."""
+    dy_ref, refs = (refs[0], refs[1:]) if swiglu_bwd else (None, refs)
+    rows_ref, refs = (refs[0], refs[1:]) if gather_rows else (None, refs)
+    out_refs = tuple(refs[len(refs) - num_outs :])
+    if swiglu_bwd:
+        f = out_refs[0].shape[1]
+        stored = ((out_refs[0], 0), (out_refs[1], 0), (out_refs[1], f))
+    else:
+        stored = tuple((ref, 0) for ref in out_refs)
+    return _Refs(
+        dy=dy_ref,
+        rows=rows_ref,
+        rhs=tuple(refs[: num_rhs * rhs_k_parts]),
+        scale=refs[num_rhs * rhs_k_parts] if has_row_scale else None,
+        outs=out_refs,
+        stored=stored,
+        ds=out_refs[2] if swiglu_bwd and has_row_scale else None,
+    )
+
+
+def _scratch(
+    config: TileConfig,
+    *,
+    in_dtype,
+    out_dtype,
+    rhs_transposed: tuple[bool, ...],
+    gather_rows: bool,
+    swiglu_bwd: bool,
+    interpret: bool,
+) -> dict[str, Any]:
+    """The shared memory and barriers of a kernel body: the ring's stages and its `loaded` and
+    `consumed` barriers (invariants 5, 7), and the consumers' epilogue buffers."""
+    block_m, block_n, block_k = config.block_m, config.block_n, config.block_k
+    stages = config.max_concurrent_steps
+    num_consumers = config.num_consumers
+    epi_m, epi_n = config.epilogue_tile
+    transforms = _swizzled(in_dtype.itemsize)
+    out_swizzle = plgpu.find_swizzle(epi_n * out_dtype.itemsize * 8)
+    out_transforms = (
+        plgpu.TilingTransform((_ROW_ALIGN, out_swizzle // out_dtype.itemsize)),
+        plgpu.SwizzleTransform(out_swizzle),
+    )
+    lhs_stages = plgpu.SMEM((stages, block_m, block_k), in_dtype, transforms=transforms)
+    if gather_rows and not interpret:
+        # Invariant 8: rows are TMA-loaded one by one through a view of the same bytes without
+        # the 8-row tiling (one row of the tiled view is no TMA destination). 128-byte rows
+        # (block_k * itemsize, checked) make the tiling the identity on the byte layout, and
+        # the 128-byte swizzle follows the shared-memory address, so a row lands where an
+        # 8-row copy would put it. (The GPU interpreter keeps a union's views apart; it takes
+        # one-row slices of the tiled view instead.)
+        lhs_stages = plgpu.RefUnion(
+            lhs_stages,
+            plgpu.SMEM(
+                (stages, block_m, block_k),
+                in_dtype,
+                transforms=(plgpu.SwizzleTransform(_SWIZZLE_BYTES),),
+            ),
+        )
+    return dict(
+        lhs_smem=lhs_stages,
+        dy_smem=(
+            [plgpu.SMEM((stages, block_m, block_k), in_dtype, transforms=transforms)]
+            if swiglu_bwd
+            else []
+        ),
+        rhs_smems=[
+            plgpu.SMEM(
+                (stages, *((block_n, block_k) if transposed else (block_k, block_n))),
+                in_dtype,
+                transforms=transforms,
+            )
+            for transposed in rhs_transposed
+        ],
+        # swiglu_bwd: each consumer's d_s partial sums of a tile, staged for a 1-D TMA store.
+        ds_smem=(
+            [plgpu.SMEM((num_consumers, config.consumer_m), jnp.float32)] if swiglu_bwd else []
+        ),
+        # Epilogue buffers, two per consumer, seen two ways (never both at once): swizzled for
+        # stores of whole 8-row tiles (bank-conflict free), plain for a sub-tile whose rows
+        # start or end inside an 8-row tile (at group boundaries: rows are stored one by one).
+        # One union per consumer, so that no consumer's view aliases another's buffers.
+        epi_smem=[
+            plgpu.RefUnion(
+                plgpu.SMEM((2, epi_m, epi_n), out_dtype, transforms=out_transforms),
+                plgpu.SMEM((2, epi_m, epi_n), out_dtype),
+            )
+            for _ in range(num_consumers)
+        ],
+        loaded=plgpu.Barrier(
+            num_arrivals=(block_m if gather_rows else 1) + int(swiglu_bwd) + len(rhs_transposed),
+            num_barriers=stages,
+        ),
+        # With clusters, a stage is refilled (by the CTAs' multicasts) only after the
+        # consumers of this CTA and of its partner along each cluster axis released it.
+        consumed=(
+            plgpu.Barrier(num_arrivals=num_consumers, num_barriers=stages)
+            if config.cluster_size == 1
+            else plgpu.ClusterBarrier(
+                collective_axes=_cluster_axes(config),
+                num_arrivals=num_consumers,
+                num_barriers=stages,
+            )
+        ),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# The producer's loads of one K step.
+
+
+def _load_gathered_rows(lhs_ref, rows_ref, lhs_row_smem, loaded, *, slot, row0, ks, block_m):
+    """Invariant 8: the stage's block_m lhs rows, one 1-row TMA each (rows_ref[row0 + r] into
+    row r), each of the producer's warps issuing a quarter of them."""
+    rows_per_warp = block_m // _GATHER_WARPS
+
+    @plgpu.warp_map
+    def _load_rows(warp):
+        @pl.loop(0, rows_per_warp, unroll=_GATHER_UNROLL)
+        def _load_row(i):
+            r = warp * rows_per_warp + i
+            plgpu.copy_gmem_to_smem(
+                lhs_ref.at[pl.ds(rows_ref[row0 + r], 1), ks],
+                lhs_row_smem.at[slot, pl.ds(r, 1)],
+                loaded.at[slot],
+            )
+
+
+def _load_rhs_parts(
+    parts, rhs_smem, loaded, *, slot, k, group, ns, transposed, part_steps, block_k, multicast
+):
+    """The rhs tile of K step k from the part that holds its K slice (invariant 9): one copy
+    a step, as for one rhs."""
+    for part, rhs_ref in enumerate(parts):
+
+        def _load_rhs(part=part, rhs_ref=rhs_ref):
+            local = pl.ds((k - part * part_steps) * block_k, block_k)
+            src = rhs_ref.at[group, ns, local] if transposed else rhs_ref.at[group, local, ns]
+            plgpu.copy_gmem_to_smem(
+                src,
+                rhs_smem.at[slot],
+                loaded.at[slot],
+                collective_axes="cluster_m" if multicast else None,
+            )
+
+        if len(parts) == 1:
+            _load_rhs()
+        else:
+            in_part = k // part_steps == part
+            pl.when(in_part)(_load_rhs)
+
+
+# ----------------------------------------------------------------------------------------------
+# The epilogues: each output tile's f32 accumulators to the values it stores, and the stores.
+
+
+def _scale_rows(x, scale):
+    """x [rows, cols] times scale [rows], row by row."""
+    return x * lax.broadcast_in_dim(scale, x.shape, [0])
+
+
+def _swiglu(gate, up):
+    """silu(gate) * up, in f32 (the forward's formula: gmm_swiglu's bits)."""
+    return gate / (1.0 + jnp.exp(-gate)) * up
+
+
+def _forward_values(values, scale, *, swiglu: bool, num_outs: int) -> list:
+    """The plain, row-scaled and SwiGLU epilogues: the product (SwiGLU of the gate and up
+    products), times the row scale if any, then with gate_up_out the accumulators as they are."""
+    if swiglu:
+        gate, up = values
+        out_f32 = _swiglu(gate, up)
+    else:
+        (out_f32,) = values
+    if scale is not None:
+        out_f32 = _scale_rows(out_f32, scale)
+    return [out_f32, *values][:num_outs]
+
+
+def _swiglu_bwd_values(values, scale):
+    """Invariant 10: h with the forward epilogue's formula (its bits), dh = s * g, and SwiGLU's
+    derivatives, all in f32: (h, d_gate, d_up) from the gate, up and g accumulators."""
+    gate, up, g = values
+    e = jnp.exp(-gate)
+    h = gate / (1.0 + e) * up
+    sig = 1.0 / (1.0 + e)
+    dh = g
+    if scale is not None:
+        dh = _scale_rows(g, scale)
+    d_gate = dh * up * (sig * (1.0 + gate * (1.0 - sig)))
+    d_up = dh * (gate * sig)
+    return h, d_gate, d_up
+
+
+@dataclasses.dataclass(frozen=True)
+class _Consumer:
+    """One consumer warpgroup's part of every output tile: rows [row_off, row_off + m) and
+    columns [col_off, col_off + n), stored through its own two epilogue buffers."""
+
+    wg: Any
+    row_off: Any
+    col_off: Any
+    m: int
+    n: int
+    epi_m: int
+    epi_n: int
+    epi_smem: list  # every consumer's (tiled, plain) buffer views, one union per consumer
+
+
+def _store_sub_tile(part: _Consumer, slot, value, dst, first, end):
+    """TMA-stores rows [first, end) of one [epi_m, epi_n] sub-tile through `slot` of this
+    consumer's buffers."""
+    whole_tiles = (first % _ROW_ALIGN == 0) & (end % _ROW_ALIGN == 0)
+    for consumer, (tiled_smem, plain_smem) in enumerate(part.epi_smem):
+
+        @pl.when((part.wg == consumer) & (end > first) & whole_tiles)
+        def _store_whole_row_tiles(tiled_smem=tiled_smem):
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+            tiled_smem[slot] = value
+            plgpu.commit_smem()
+            _store_rows(tiled_smem.at[slot], dst, first, end, granule=_ROW_ALIGN)
+            plgpu.commit_smem_to_gmem_group()
+
+        @pl.when((part.wg == consumer) & (end > first) & ~whole_tiles)
+        def _store_rows_one_by_one(plain_smem=plain_smem):
+            # The plain view aliases the tiled one: no store may still read either.
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            plain_smem[slot] = value
+            plgpu.commit_smem()
+            _store_rows(plain_smem.at[slot], dst, first, end)
+            plgpu.commit_smem_to_gmem_group()
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _store_tile(part: _Consumer, outs_f32, stored, *, row0, lo, hi, ni, block_n, out_dtype):
+    """Stores tile rows [lo, hi) of this consumer's [m, n] part of each output, in [epi_m,
+    epi_n] sub-tiles through two shared-memory slots (invariant 2). outs_f32: a value per
+    (output, first column) of `stored`."""
+    epi_m, epi_n = part.epi_m, part.epi_n
+    # The previous tile's stores must have read the buffers before they are reused.
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    sub = 0
+    for out_f32, (dst_ref, col_base) in zip(outs_f32, stored, strict=True):
+        col0 = col_base + ni * block_n + part.col_off
+        out_cast = out_f32.astype(out_dtype)
+        for em in range(part.m // epi_m):
+            for en in range(part.n // epi_n):
+                rows = pl.ds(row0 + part.row_off + em * epi_m, epi_m)
+                _store_sub_tile(
+                    part,
+                    sub % 2,
+                    out_cast[em * epi_m : (em + 1) * epi_m, en * epi_n : (en + 1) * epi_n],
+                    dst_ref.at[rows, pl.ds(col0 + en * epi_n, epi_n)],
+                    jnp.clip(lo - part.row_off - em * epi_m, 0, epi_m),
+                    jnp.clip(hi - part.row_off - em * epi_m, 0, epi_m),
+                )
+                sub += 1
+
+
+def _store_row_sums(part: _Consumer, ds_smem, ds_ref, sums, *, mi, owner):
+    """swiglu_bwd: this consumer's d_s partial sums of a tile of row tile mi, one f32 a row of
+    its m rows, to ds_ref[mi, owner, rows] (owner: the column owner, invariant 10)."""
+    # ds_smem is reused tile after tile: the previous tile's store of it has been read,
+    # because `_store_tile` (which ran first in this tile) opened with wait_smem_to_gmem(0)
+    # (the interpreter's stores finish at once: it cannot check this; the GPU twin can).
+    ds_smem.at[part.wg][...] = sums
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(ds_smem.at[part.wg], ds_ref.at[mi, owner, pl.ds(part.row_off, part.m)])
+
+
+def _load_scale(part: _Consumer, scale_ref, *, row0, lo, hi, before_scale):
+    """This consumer's rows of a tile's row scale, f32 [m] in the accumulators' row layout;
+    first, with before_scale (the exchange's hook), the wait for rows [row0 + lo, row0 + hi),
+    which the tile stores (invariant 13)."""
+    if before_scale is not None:
+        before_scale(row0 + lo, row0 + hi)
+    return plgpu.load(
+        scale_ref.at[pl.ds(row0 + part.row_off, part.m)],
+        layout=plgpu.Layout.WGMMA.reduce(1),
+        optimized=False,
+    )
+
+
+def _signal_stored(after_tile, *, stores, mi) -> None:
+    """Invariant 12 (the exchange's hook): once this consumer's stores of a tile of row tile mi
+    that stores rows have landed, after_tile(mi)."""
+    if after_tile is None:
+        return
+
+    @pl.when(stores)
+    def _stored():
+        plgpu.wait_smem_to_gmem(0)
+        after_tile(mi)
+
+
+# ----------------------------------------------------------------------------------------------
+# The kernel body: the producer/consumer pipeline.
+
+
 def _kernel(
     schedule_ref,
     lhs_ref,
@@ -278,49 +601,32 @@ def _kernel(
     # (False: a second body in the same kernel, whose first body set them).
     # swiglu_bwd (invariant 10): a second lhs (dy) and three rhs (w_gate, w_up with lhs, w_down
     # transposed with dy); the outputs h, [d_gate | d_up] and the d_s partial sums.
-    dy_ref, refs = (refs[0], refs[1:]) if swiglu_bwd else (None, refs)
     rhs_lhs = (0, 0, 1) if swiglu_bwd else (0,) * num_rhs  # the lhs each rhs multiplies
     rhs_transposed = (False, False, True) if swiglu_bwd else (transpose_rhs,) * num_rhs
-    # With gather_rows, row r of the product is lhs row rows_ref[r] (invariant 8).
-    rows_ref, refs = (refs[0], refs[1:]) if gather_rows else (None, refs)
-    # Each rhs as `rhs_k_parts` refs, its consecutive parts along K (invariant 9).
-    rhs_refs = refs[: num_rhs * rhs_k_parts]
-    scale_ref = refs[num_rhs * rhs_k_parts] if has_row_scale else None
-    # The output, then (SwiGLU with gate_up_out) the gate and up projections, rounded alike.
-    # swiglu_bwd: h [M, F], [d_gate | d_up] [M, 2F], then with a row scale the d_s partials.
-    out_refs = refs[len(refs) - num_outs :]
-    out_ref = out_refs[0]
-    if swiglu_bwd:
-        f = out_ref.shape[1]
-        ds_ref = out_refs[2] if has_row_scale else None
-        # (output, its first column) of each value the epilogue stores.
-        stored_outputs = [(out_refs[0], 0), (out_refs[1], 0), (out_refs[1], f)]
-    else:
-        stored_outputs = [(ref, 0) for ref in out_refs]
+    r = _split_refs(
+        refs,
+        num_rhs=num_rhs,
+        rhs_k_parts=rhs_k_parts,
+        has_row_scale=has_row_scale,
+        gather_rows=gather_rows,
+        swiglu_bwd=swiglu_bwd,
+        num_outs=num_outs,
+    )
     block_m, block_n, block_k = config.block_m, config.block_n, config.block_k
     consumer_m, consumer_n = config.consumer_m, config.consumer_n
     split_m = config.consumer_dim == "m"
     num_consumers = config.num_consumers
     stages = config.max_concurrent_steps
     delay = config.delay_release
-    epi_m, epi_n = config.epilogue_tile
     k_steps = lhs_ref.shape[1] // block_k
     part_steps = k_steps // rhs_k_parts  # K steps of each rhs part (equal parts, checked)
-    num_tiles_n = out_ref.shape[1] // block_n
-    out_dtype = out_ref.dtype
-    in_dtype = lhs_ref.dtype
-    transforms = _swizzled(in_dtype.itemsize)
-    out_swizzle = plgpu.find_swizzle(epi_n * out_dtype.itemsize * 8)
-    out_transforms = (
-        plgpu.TilingTransform((_ROW_ALIGN, out_swizzle // out_dtype.itemsize)),
-        plgpu.SwizzleTransform(out_swizzle),
-    )
+    num_tiles_n = r.outs[0].shape[1] // block_n
+    out_dtype = r.outs[0].dtype
 
     # With clusters (invariant 7), the grid walks pairs of tiles along each cluster axis.
     # cluster_n: CTA c computes column tile 2 * pair + c of a row tile, the lhs tile multicast.
     # cluster_m: the schedule's row tiles are 2 * block_m rows of one group and CTA c computes
     # their half c, the rhs tile multicast.
-    cluster = config.cluster_size
     pairs_n = num_tiles_n // config.cluster_n
     num_tiles = num_tiles_m * pairs_n
     multicast_lhs = config.cluster_n == 2
@@ -380,66 +686,16 @@ def _kernel(
 
         return steps
 
-    lhs_stages = plgpu.SMEM((stages, block_m, block_k), in_dtype, transforms=transforms)
-    if gather_rows and not interpret:
-        # Invariant 8: rows are TMA-loaded one by one through a view of the same bytes without
-        # the 8-row tiling (one row of the tiled view is no TMA destination). 128-byte rows
-        # (block_k * itemsize, checked) make the tiling the identity on the byte layout, and
-        # the 128-byte swizzle follows the shared-memory address, so a row lands where an
-        # 8-row copy would put it. (The GPU interpreter keeps a union's views apart; it takes
-        # one-row slices of the tiled view instead.)
-        lhs_stages = plgpu.RefUnion(
-            lhs_stages,
-            plgpu.SMEM(
-                (stages, block_m, block_k),
-                in_dtype,
-                transforms=(plgpu.SwizzleTransform(_SWIZZLE_BYTES),),
-            ),
-        )
-
     @functools.partial(
         pl.run_scoped,
-        lhs_smem=lhs_stages,
-        dy_smem=(
-            [plgpu.SMEM((stages, block_m, block_k), in_dtype, transforms=transforms)]
-            if swiglu_bwd
-            else []
-        ),
-        rhs_smems=[
-            plgpu.SMEM(
-                (stages, *((block_n, block_k) if transposed else (block_k, block_n))),
-                in_dtype,
-                transforms=transforms,
-            )
-            for transposed in rhs_transposed
-        ],
-        # swiglu_bwd: each consumer's d_s partial sums of a tile, staged for a 1-D TMA store.
-        ds_smem=[plgpu.SMEM((num_consumers, consumer_m), jnp.float32)] if swiglu_bwd else [],
-        # Epilogue buffers, two per consumer, seen two ways (never both at once): swizzled for
-        # stores of whole 8-row tiles (bank-conflict free), plain for a sub-tile whose rows
-        # start or end inside an 8-row tile (at group boundaries: rows are stored one by one).
-        # One union per consumer, so that no consumer's view aliases another's buffers.
-        epi_smem=[
-            plgpu.RefUnion(
-                plgpu.SMEM((2, epi_m, epi_n), out_dtype, transforms=out_transforms),
-                plgpu.SMEM((2, epi_m, epi_n), out_dtype),
-            )
-            for _ in range(num_consumers)
-        ],
-        loaded=plgpu.Barrier(
-            num_arrivals=(block_m if gather_rows else 1) + int(swiglu_bwd) + num_rhs,
-            num_barriers=stages,
-        ),
-        # With clusters, a stage is refilled (by the CTAs' multicasts) only after the
-        # consumers of this CTA and of its partner along each cluster axis released it.
-        consumed=(
-            plgpu.Barrier(num_arrivals=num_consumers, num_barriers=stages)
-            if cluster == 1
-            else plgpu.ClusterBarrier(
-                collective_axes=_cluster_axes(config),
-                num_arrivals=num_consumers,
-                num_barriers=stages,
-            )
+        **_scratch(
+            config,
+            in_dtype=lhs_ref.dtype,
+            out_dtype=out_dtype,
+            rhs_transposed=rhs_transposed,
+            gather_rows=gather_rows,
+            swiglu_bwd=swiglu_bwd,
+            interpret=interpret,
         ),
         collective_axes="wg",
     )
@@ -463,27 +719,23 @@ def _kernel(
                 @pl.when(runs)
                 def _load_tile():
                     if before_tile is not None:
-                        before_tile(mi, row0 + lo, row0 + hi)
+                        before_tile(mi, row0 + lo, row0 + hi)  # invariant 11
 
                     @pl.loop(0, k_steps)
                     def _load_step(k):
                         slot = ring.acquire_stage(consumed, step=step0 + k, stages=stages)
-
                         ks = pl.ds(k * block_k, block_k)
                         if gather_rows:
-                            rows_per_warp = block_m // _GATHER_WARPS
-
-                            @plgpu.warp_map
-                            def _load_rows(warp):
-                                @pl.loop(0, rows_per_warp, unroll=_GATHER_UNROLL)
-                                def _load_row(i):
-                                    r = warp * rows_per_warp + i
-                                    plgpu.copy_gmem_to_smem(
-                                        lhs_ref.at[pl.ds(rows_ref[row0 + r], 1), ks],
-                                        lhs_row_smem.at[slot, pl.ds(r, 1)],
-                                        loaded.at[slot],
-                                    )
-
+                            _load_gathered_rows(
+                                lhs_ref,
+                                r.rows,
+                                lhs_row_smem,
+                                loaded,
+                                slot=slot,
+                                row0=row0,
+                                ks=ks,
+                                block_m=block_m,
+                            )
                         else:
                             plgpu.copy_gmem_to_smem(
                                 lhs_ref.at[pl.ds(row0, block_m), ks],
@@ -493,40 +745,25 @@ def _kernel(
                             )
                         if swiglu_bwd:
                             plgpu.copy_gmem_to_smem(
-                                dy_ref.at[pl.ds(row0, block_m), ks],
+                                r.dy.at[pl.ds(row0, block_m), ks],
                                 dy_smem[0].at[slot],
                                 loaded.at[slot],
                             )
                         ns = pl.ds(ni * block_n, block_n)
                         for index, rhs_smem in enumerate(rhs_smems):
-                            parts = rhs_refs[index * rhs_k_parts : (index + 1) * rhs_k_parts]
-                            # Invariant 9: step k reads its K slice from the part that holds it.
-                            for part, rhs_ref in enumerate(parts):
-
-                                def _load_rhs(
-                                    part=part,
-                                    rhs_ref=rhs_ref,
-                                    rhs_smem=rhs_smem,
-                                    transposed=rhs_transposed[index],
-                                ):
-                                    local = pl.ds((k - part * part_steps) * block_k, block_k)
-                                    src = (
-                                        rhs_ref.at[group, ns, local]
-                                        if transposed
-                                        else rhs_ref.at[group, local, ns]
-                                    )
-                                    plgpu.copy_gmem_to_smem(
-                                        src,
-                                        rhs_smem.at[slot],
-                                        loaded.at[slot],
-                                        collective_axes="cluster_m" if multicast_rhs else None,
-                                    )
-
-                                if rhs_k_parts == 1:
-                                    _load_rhs()
-                                else:
-                                    in_part = k // part_steps == part
-                                    pl.when(in_part)(_load_rhs)
+                            _load_rhs_parts(
+                                r.rhs[index * rhs_k_parts : (index + 1) * rhs_k_parts],
+                                rhs_smem,
+                                loaded,
+                                slot=slot,
+                                k=k,
+                                group=group,
+                                ns=ns,
+                                transposed=rhs_transposed[index],
+                                part_steps=part_steps,
+                                block_k=block_k,
+                                multicast=multicast_rhs,
+                            )
 
                 return step0 + jnp.where(runs, k_steps, 0)
 
@@ -538,72 +775,38 @@ def _kernel(
         def _consumers():
             if set_registers:
                 plgpu.set_max_registers(ring.consumer_registers(num_consumers), action="increase")
-            # This consumer's part of the tile: rows [row_off, row_off + consumer_m) and
-            # columns [col_off, col_off + consumer_n).
-            row_off = pl.multiple_of(wg * consumer_m, 64) if split_m else 0
-            col_off = 0 if split_m else wg * consumer_n
+            part = _Consumer(
+                wg=wg,
+                row_off=pl.multiple_of(wg * consumer_m, 64) if split_m else 0,
+                col_off=0 if split_m else wg * consumer_n,
+                m=consumer_m,
+                n=consumer_n,
+                epi_m=config.epilogue_tile[0],
+                epi_n=config.epilogue_tile[1],
+                epi_smem=epi_smem,
+            )
+            store_tile = functools.partial(_store_tile, part, block_n=block_n, out_dtype=out_dtype)
 
-            def store_sub_tile(slot, value, dst, first, end):
-                """TMA-stores rows [first, end) of one [epi_m, epi_n] sub-tile through `slot`
-                of this consumer's buffers."""
-                whole_tiles = (first % _ROW_ALIGN == 0) & (end % _ROW_ALIGN == 0)
-                for consumer, (tiled_smem, plain_smem) in enumerate(epi_smem):
-
-                    @pl.when((wg == consumer) & (end > first) & whole_tiles)
-                    def _store_whole_row_tiles(tiled_smem=tiled_smem):
-                        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                        tiled_smem[slot] = value
-                        plgpu.commit_smem()
-                        _store_rows(tiled_smem.at[slot], dst, first, end, granule=_ROW_ALIGN)
-                        plgpu.commit_smem_to_gmem_group()
-
-                    @pl.when((wg == consumer) & (end > first) & ~whole_tiles)
-                    def _store_rows_one_by_one(plain_smem=plain_smem):
-                        # The plain view aliases the tiled one: no store may still read either.
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                        plain_smem[slot] = value
-                        plgpu.commit_smem()
-                        _store_rows(plain_smem.at[slot], dst, first, end)
-                        plgpu.commit_smem_to_gmem_group()
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-            def epilogue(outs_f32, row0, lo, hi, ni):
-                """Stores tile rows [lo, hi) of this consumer's [consumer_m, consumer_n] part
-                of each output, in [epi_m, epi_n] sub-tiles through two shared-memory slots
-                (invariant 2). outs_f32: a value per output of `stored_outputs`."""
-                # The previous tile's stores must have read the buffers before they are reused.
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                sub = 0
-                for out_f32, (dst_ref, col_base) in zip(outs_f32, stored_outputs, strict=True):
-                    col0 = col_base + ni * block_n + col_off
-                    out_cast = out_f32.astype(out_dtype)
-                    for em in range(consumer_m // epi_m):
-                        for en in range(consumer_n // epi_n):
-                            rows = pl.ds(row0 + row_off + em * epi_m, epi_m)
-                            store_sub_tile(
-                                sub % 2,
-                                out_cast[
-                                    em * epi_m : (em + 1) * epi_m, en * epi_n : (en + 1) * epi_n
-                                ],
-                                dst_ref.at[rows, pl.ds(col0 + en * epi_n, epi_n)],
-                                jnp.clip(lo - row_off - em * epi_m, 0, epi_m),
-                                jnp.clip(hi - row_off - em * epi_m, 0, epi_m),
-                            )
-                            sub += 1
-
-            def store_row_sums(sums, mi, ni):
-                """swiglu_bwd: this consumer's d_s partial sums of tile (mi, ni), one f32 a row
-                of its consumer_m rows, to ds_ref[mi, column owner, rows] (invariant 10)."""
-                owner = ni if split_m else ni * num_consumers + wg
-                # ds_smem is reused tile after tile: the previous tile's store of it has been
-                # read, because `epilogue` (which ran first in this tile) opened with
-                # wait_smem_to_gmem(0) (the interpreter's stores finish at once: it cannot
-                # check this; the GPU twin can).
-                ds_smem[0].at[wg][...] = sums
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(
-                    ds_smem[0].at[wg], ds_ref.at[mi, owner, pl.ds(row_off, consumer_m)]
-                )
+            def epilogue(values, scale, *, mi, ni, row0, lo, hi):
+                """A tile's epilogue on its f32 accumulator values, by kernel."""
+                if swiglu_bwd:
+                    h, d_gate, d_up = _swiglu_bwd_values(values, scale)
+                    store_tile([h, d_gate, d_up], r.stored, row0=row0, lo=lo, hi=hi, ni=ni)
+                    if has_row_scale:
+                        # d_s = rowsum(h * g) over F: this tile's columns, from h rounded as
+                        # stored.
+                        h_stored = h.astype(out_dtype).astype(jnp.float32)
+                        _store_row_sums(
+                            part,
+                            ds_smem[0],
+                            r.ds,
+                            jnp.sum(h_stored * values[2], axis=1),
+                            mi=mi,
+                            owner=ni if split_m else ni * num_consumers + wg,
+                        )
+                    return
+                outs_f32 = _forward_values(values, scale, swiglu=swiglu, num_outs=num_outs)
+                store_tile(outs_f32, r.stored, row0=row0, lo=lo, hi=hi, ni=ni)
 
             @tile_loop
             def _tiles(mi, ni, group, row0, lo, hi, runs, step0):
@@ -613,21 +816,22 @@ def _kernel(
                 @pl.when(runs)
                 def _matmul_tile():
                     def k_step(k, accs):
+                        """K step k: its wgmmas into `accs`, then the release of a stage."""
                         step = step0 + k
                         slot = lax.rem(step, stages)
                         plgpu.barrier_wait(loaded.at[slot])
                         lhs_tiles = [smem.at[slot] for smem in lhs_smems]
                         if split_m:
-                            lhs_tiles = [t.at[pl.ds(row_off, consumer_m)] for t in lhs_tiles]
+                            lhs_tiles = [t.at[pl.ds(part.row_off, consumer_m)] for t in lhs_tiles]
                         for i, (acc, rhs_smem) in enumerate(zip(accs, rhs_smems, strict=True)):
                             lhs_tile = lhs_tiles[rhs_lhs[i]]
                             rhs_tile = rhs_smem.at[slot]
                             if rhs_transposed[i]:
                                 if not split_m:
-                                    rhs_tile = rhs_tile.at[pl.ds(col_off, consumer_n), :]
+                                    rhs_tile = rhs_tile.at[pl.ds(part.col_off, consumer_n), :]
                                 rhs_tile = rhs_tile.transpose((1, 0))
                             elif not split_m:
-                                rhs_tile = rhs_tile.at[:, pl.ds(col_off, consumer_n)]
+                                rhs_tile = rhs_tile.at[:, pl.ds(part.col_off, consumer_n)]
                             plgpu.wgmma(acc, lhs_tile, rhs_tile)
                         # Invariant 5: a stage is released once the wgmmas reading it are done
                         # (each wgmma is its own group: num_rhs groups a step).
@@ -642,46 +846,17 @@ def _kernel(
                         return accs
 
                     def acc_scope(*accs):
+                        scale = None
                         if has_row_scale:
-                            if before_scale is not None:
-                                before_scale(row0 + lo, row0 + hi)  # invariant 13
                             # Loaded before the K loop, so its latency hides behind it.
-                            scale = plgpu.load(
-                                scale_ref.at[pl.ds(row0 + row_off, consumer_m)],
-                                layout=plgpu.Layout.WGMMA.reduce(1),
-                                optimized=False,
+                            scale = _load_scale(
+                                part, r.scale, row0=row0, lo=lo, hi=hi, before_scale=before_scale
                             )
                         accs = lax.fori_loop(0, k_steps, k_step, accs)
                         last_step = step0 + k_steps - 1
                         ring.release_last(consumed, last_step=last_step, delay=delay, stages=stages)
                         values = [acc[...] for acc in accs]
-                        if swiglu_bwd:
-                            # Invariant 10: h with the forward epilogue's formula (its bits),
-                            # dh = s * g, and SwiGLU's derivatives, all in f32.
-                            gate, up, g = values
-                            e = jnp.exp(-gate)
-                            h = gate / (1.0 + e) * up
-                            sig = 1.0 / (1.0 + e)
-                            dh = g
-                            if has_row_scale:
-                                dh = g * lax.broadcast_in_dim(scale, g.shape, [0])
-                            d_gate = dh * up * (sig * (1.0 + gate * (1.0 - sig)))
-                            d_up = dh * (gate * sig)
-                            epilogue([h, d_gate, d_up], row0, lo, hi, ni)
-                            if has_row_scale:
-                                # d_s = rowsum(h * g) over F: this tile's columns, from h
-                                # rounded as stored.
-                                h_stored = h.astype(out_dtype).astype(jnp.float32)
-                                store_row_sums(jnp.sum(h_stored * g, axis=1), mi, ni)
-                            return
-                        if swiglu:
-                            gate, up = values
-                            out_f32 = gate / (1.0 + jnp.exp(-gate)) * up
-                        else:
-                            (out_f32,) = values
-                        if has_row_scale:
-                            out_f32 = out_f32 * lax.broadcast_in_dim(scale, out_f32.shape, [0])
-                        epilogue([out_f32, *values][:num_outs], row0, lo, hi, ni)
+                        epilogue(values, scale, mi=mi, ni=ni, row0=row0, lo=lo, hi=hi)
 
                     pl.run_scoped(
                         acc_scope,
@@ -694,15 +869,9 @@ def _kernel(
                     zeros = plgpu.layout_cast(
                         jnp.zeros((consumer_m, consumer_n), jnp.float32), plgpu.Layout.WGMMA
                     )
-                    epilogue([zeros] * len(stored_outputs), row0, lo, hi, ni)
+                    store_tile([zeros] * len(r.stored), r.stored, row0=row0, lo=lo, hi=hi, ni=ni)
 
-                if after_tile is not None:
-                    # Invariant 12: the tile's stores have landed before the signal.
-                    @pl.when(stores)
-                    def _stored():
-                        plgpu.wait_smem_to_gmem(0)
-                        after_tile(mi)
-
+                _signal_stored(after_tile, stores=stores, mi=mi)
                 return step0 + jnp.where(runs, k_steps, 0)
 
             plgpu.wait_smem_to_gmem(0)

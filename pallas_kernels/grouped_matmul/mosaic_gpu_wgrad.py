@@ -128,6 +128,65 @@ def _swizzled(minor_elems: int, dtype: Any) -> tuple[Any, ...]:
     return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
+def _zero_rows_outside(rhs_wg, *, first, end, block_m: int, wg_tile_n: int) -> None:
+    """Invariant 3: sets the rows of a block outside [first, end), the group's, to +0 in this
+    warpgroup's [block_m, wg_tile_n] rhs columns (a select, so that a NaN there cannot reach
+    the sums). Only blocks that hold such rows (a group's first and last) are touched."""
+
+    @pl.when((first > 0) | (end < block_m))
+    def _mask_outside_rows():
+        rows = plgpu.broadcasted_iota(jnp.int32, (block_m, wg_tile_n), 0, layout=plgpu.Layout.WGMMA)
+        values = rhs_wg[...]
+        inside = (rows >= first) & (rows < end)
+        rhs_wg[...] = jnp.where(inside, values, jnp.zeros_like(values))
+        plgpu.commit_smem()
+
+
+def _store_unit(
+    acc,
+    out_refs,
+    out_smem,
+    *,
+    wg,
+    wg_n_slice,
+    tile,
+    tile_k: int,
+    tile_n: int,
+    part_units_n: int,
+    epilogue_tile: tuple[int, int],
+) -> None:
+    """The epilogue: this warpgroup's columns of output tile (g, K tile, N tile), acc [tile_k,
+    wg_tile_n] cast to the output dtype, through its two SMEM slots to a TMA store, in [epi_k,
+    epi_n] sub-tiles. With out_parts, into the part that holds the N tile (invariant 8).
+    Columns or rows past K or N are dropped by the TMA store."""
+    g, k_idx, n_idx = tile
+    epilogue_k, epilogue_n = epilogue_tile
+    wg_tile_n = acc.shape[1]
+    # The previous unit's stores must have read out_smem before it is reused.
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    k_slice = pl.ds(k_idx * tile_k, tile_k)
+
+    def store(out_ref, part):
+        n_slice = pl.ds((n_idx - part * part_units_n) * tile_n, tile_n)
+        out_tile = out_ref.at[g, k_slice, n_slice].at[:, wg_n_slice]
+        sub_n = wg_tile_n // epilogue_n
+        for ek in range(tile_k // epilogue_k):
+            for en in range(sub_n):
+                slot = (ek * sub_n + en) % 2
+                rows = slice(ek * epilogue_k, (ek + 1) * epilogue_k)
+                cols = slice(en * epilogue_n, (en + 1) * epilogue_n)
+                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                out_smem[wg, slot] = acc[rows, cols]
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], out_tile.at[rows, cols])
+
+    if len(out_refs) == 1:
+        store(out_refs[0], 0)
+    for part, out_ref in enumerate(out_refs if len(out_refs) > 1 else ()):
+        in_part = n_idx // part_units_n == part
+        pl.when(in_part)(functools.partial(store, out_ref, part))
+
+
 def _tgmm_kernel(
     blocks_g_ref,
     lhs_mk_ref,
@@ -320,20 +379,15 @@ def _tgmm_kernel(
                     rhs_wg = rhs_smem.at[slot].at[:, wg_n_slice]
 
                     # In the first and last blocks, zero the rows outside the group in this
-                    # warpgroup's rhs columns (invariant 3): rows [lo, hi) of the block are the
-                    # group's. Only the warpgroup that owns the columns writes them.
-                    lo = jnp.where(i == 0, lead, 0)
-                    hi = jnp.where(i == num_blocks - 1, tail_end, block_m)
-
-                    @pl.when((lo > 0) | (hi < block_m))
-                    def _mask_outside_rows():
-                        rows = plgpu.broadcasted_iota(
-                            jnp.int32, (block_m, wg_tile_n), 0, layout=plgpu.Layout.WGMMA
-                        )
-                        values = rhs_wg[...]
-                        inside = (rows >= lo) & (rows < hi)
-                        rhs_wg[...] = jnp.where(inside, values, jnp.zeros_like(values))
-                        plgpu.commit_smem()
+                    # warpgroup's rhs columns (invariant 3). Only the warpgroup that owns the
+                    # columns writes them.
+                    _zero_rows_outside(
+                        rhs_wg,
+                        first=jnp.where(i == 0, lead, 0),
+                        end=jnp.where(i == num_blocks - 1, tail_end, block_m),
+                        block_m=block_m,
+                        wg_tile_n=wg_tile_n,
+                    )
 
                     # lhs block [block_m, tile_k] transposed is the A operand [tile_k, block_m].
                     plgpu.wgmma(acc_ref, lhs_smem.at[slot].transpose((1, 0)), rhs_wg)
@@ -359,31 +413,18 @@ def _tgmm_kernel(
                         ring.release_last(consumed, last_step=last_step, delay=delay, stages=stages)
 
                     acc = acc_ref[...].astype(out_dtype)
-                    # The previous unit's stores must have read out_smem before it is reused.
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    k_slice = pl.ds(k_idx * tile_k, tile_k)
-
-                    def store(out_ref, part):
-                        n_slice = pl.ds((n_idx - part * part_units_n) * tile_n, tile_n)
-                        out_tile = out_ref.at[g, k_slice, n_slice].at[:, wg_n_slice]
-                        sub_n = wg_tile_n // epilogue_n
-                        for ek in range(tile_k // epilogue_k):
-                            for en in range(sub_n):
-                                slot = (ek * sub_n + en) % 2
-                                rows = slice(ek * epilogue_k, (ek + 1) * epilogue_k)
-                                cols = slice(en * epilogue_n, (en + 1) * epilogue_n)
-                                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                                out_smem[wg, slot] = acc[rows, cols]
-                                plgpu.commit_smem()
-                                plgpu.copy_smem_to_gmem(
-                                    out_smem.at[wg, slot], out_tile.at[rows, cols]
-                                )
-
-                    if len(out_refs) == 1:
-                        store(out_refs[0], 0)
-                    for part, out_ref in enumerate(out_refs if len(out_refs) > 1 else ()):
-                        in_part = n_idx // part_units_n == part
-                        pl.when(in_part)(functools.partial(store, out_ref, part))
+                    _store_unit(
+                        acc,
+                        out_refs,
+                        out_smem,
+                        wg=wg,
+                        wg_n_slice=wg_n_slice,
+                        tile=(g, k_idx, n_idx),
+                        tile_k=tile_k,
+                        tile_n=tile_n,
+                        part_units_n=part_units_n,
+                        epilogue_tile=config.epilogue_tile,
+                    )
 
                 pl.run_scoped(acc_scope, plgpu.ACC((tile_k, wg_tile_n), jnp.float32))
                 return step0 + num_blocks
