@@ -132,10 +132,9 @@ def _dispatch() -> dict:
 
     # The round's tables alone (the same jit without the copies), to take out of the time.
     def tables_only(x, counts_se, round_index):
-        from mok_jax import exchange
-        from mok_jax import exchange_protocol as xp
+        from pallas_kernels.exchange import protocol as xp
 
-        t = exchange.traffic(counts_se, case["num_local"])
+        t = xp.traffic(counts_se, case["num_local"])
         me = jax.lax.axis_index(t_mod.AXIS)
         moves = xp.exchange_moves(t, me, round_index, num_rows, case["window"], case["tile"])
         return x[:1].astype(jnp.float32) + sum(jnp.sum(m.src_p) for m in moves)
@@ -173,9 +172,8 @@ def _overlap(programs: tuple[int, ...], window_factor: float, stages: tuple[int,
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
 
-    from mok_jax import exchange
-    from mok_jax import exchange_protocol as xp
     from pallas_kernels.exchange import mosaic_gpu
+    from pallas_kernels.exchange import protocol as xp
     from pallas_kernels.grouped_matmul import mosaic_gpu as grouped
 
     t_mod, _ = _case()
@@ -192,7 +190,7 @@ def _overlap(programs: tuple[int, ...], window_factor: float, stages: tuple[int,
     # The round's tables once, outside the timed functions (one device: me = 0).
     @jax.jit
     def tables(counts_se):
-        t = exchange.traffic(counts_se, num_local)
+        t = xp.traffic(counts_se, num_local)
         moves = xp.exchange_moves(t, jnp.int32(0), jnp.int32(0), num_rows, window, tile)
         return moves, xp.buffer_layout(t, jnp.int32(0), jnp.int32(0), window, tile)[0]
 

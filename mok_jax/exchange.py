@@ -3,8 +3,9 @@
 Inside `jax.shard_map`, each device holds its tokens' N routed rows sorted by expert. Experts
 are split evenly over the EP devices of the `expert` axis (device d owns experts
 [d*G, (d+1)*G)), so the sorted rows are also sorted by destination. Every device learns every
-device's per-expert counts (an all_gather of E ints); from them, prefix sums give each row's
-destination slot before anything moves:
+device's per-expert counts (an all_gather of E ints); from them (`Traffic`, from
+pallas_kernels/exchange/protocol.py, which the in-kernel exchange's tables start from too),
+prefix sums give each row's destination slot before anything moves:
 
   a receiver concatenates what it gets in source order, each source's rows in their sorted
   order: (source device, position), never arrival order. Rows of one expert therefore arrive
@@ -31,50 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax import Array, lax
 
-
-def exclusive_cumsum(a: Array, axis: int = -1) -> Array:
-    return jnp.cumsum(a, axis=axis, dtype=jnp.int32) - a.astype(jnp.int32)
-
-
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["counts_se", "send_sd", "send_start_sd", "recv_off_sd"],
-    meta_fields=["num_local"],
-)
-@dataclasses.dataclass(frozen=True)
-class Traffic:
-    """Who sends what to whom, the same on every device of the expert axis (int32).
-
-    Attributes:
-      counts_se: [EP, E] rows of each source device for each expert.
-      send_sd: [EP, EP] rows source s sends to destination d.
-      send_start_sd: [EP, EP] where s's block for d starts among s's sorted rows.
-      recv_off_sd: [EP, EP] where s's block starts in d's concatenated order.
-      num_local: G, experts per device.
-    """
-
-    counts_se: Array
-    send_sd: Array
-    send_start_sd: Array
-    recv_off_sd: Array
-    num_local: int
-
-    @property
-    def recv_total_d(self) -> Array:
-        return jnp.sum(self.send_sd, axis=0, dtype=jnp.int32)
-
-
-def traffic(counts_se: Array, num_local: int) -> Traffic:
-    """`Traffic` from the all-gathered per-expert counts [EP, E]."""
-    num_devices = counts_se.shape[0]
-    send_sd = counts_se.reshape(num_devices, num_devices, num_local).sum(-1, dtype=jnp.int32)
-    return Traffic(
-        counts_se=counts_se.astype(jnp.int32),
-        send_sd=send_sd,
-        send_start_sd=exclusive_cumsum(send_sd, axis=1),
-        recv_off_sd=exclusive_cumsum(send_sd, axis=0),
-        num_local=num_local,
-    )
+from pallas_kernels.exchange.protocol import Traffic
 
 
 @functools.partial(
@@ -145,11 +103,6 @@ def window_experts(t: Traffic, me: Array, round_index: Array, window: int) -> Ar
         ends_sg.reshape(-1), position_w, side="right", method="scan_unrolled"
     ).astype(jnp.int32)
     return jnp.where(position_w < t.recv_total_d[me], flat_w % g, g)
-
-
-def window_rounds(t: Traffic, window: int) -> Array:
-    """int32 []: rounds the windowed exchange needs (>= 1) on this expert axis."""
-    return jnp.maximum(jnp.max((t.recv_total_d + window - 1) // window), 1)
 
 
 def row_window_round(t: Traffic, me: Array, dest_n: Array, window: int) -> Array:

@@ -16,6 +16,7 @@ from jax import Array, lax
 
 from mok_jax.options import RECOMPUTES, RESIDUALS, ROWS
 from mok_jax.permute import tokens_to_rows
+from pallas_kernels.mesh import like, vary_alike
 
 
 def dot_precision(dtype: np.dtype) -> lax.Precision | None:
@@ -170,13 +171,11 @@ def grouped_swiglu_fused(
         raise ValueError(f"residuals={residuals!r} must be one of {RESIDUALS}")
     if recompute not in RECOMPUTES:
         raise ValueError(f"recompute={recompute!r} must be one of {RECOMPUTES}")
-    from pallas_kernels.grouped_matmul import ops as grouped_ops
-
     weights = tuple(w.astype(dtype) for w in (w_gate_edf, w_up_edf, w_down_efd))
     # Inside shard_map (a mesh of data axes): every operand varies over the mesh axes any of
     # them varies over, as in ops.swiglu_mlp: the weights meet every device's rows, so their
     # gradients come back summed over those axes.
-    operands = grouped_ops.vary_alike(
+    operands = vary_alike(
         x_td.astype(dtype), *weights, scale_n.astype(jnp.float32), group_sizes_e, order_n,
         inverse_n,
     )  # fmt: skip
@@ -189,7 +188,6 @@ def _fused_forward(
     """(y_nd, (h, gate, up) if `keep` else None): the two kernels, the gate/up kernel's rows
     read from x through the plan's order or from their copy."""
     from pallas_kernels.grouped_matmul import mosaic_gpu
-    from pallas_kernels.grouped_matmul import ops as grouped_ops
 
     top_k, rows, _, _, interpret = static
     rows_n = order_n // top_k
@@ -200,7 +198,7 @@ def _fused_forward(
         out = swiglu(jnp.take(x_td, rows_n, axis=0), w_gate, w_up, group_sizes_e)
     # A kernel's outputs typed to vary as its operands (the kernels' types drop it): a y typed
     # invariant under a mesh of data axes would have its cotangent summed over them.
-    out = jax.tree.map(lambda a: grouped_ops.like(a, x_td), out)
+    out = jax.tree.map(lambda a: like(a, x_td), out)
     h_nf = out[0] if keep else out
     y_nd = mosaic_gpu.gmm(
         h_nf,
@@ -210,7 +208,7 @@ def _fused_forward(
         out_dtype=jnp.float32,
         interpret=interpret,
     )
-    return grouped_ops.like(y_nd, x_td), (out if keep else None)
+    return like(y_nd, x_td), (out if keep else None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

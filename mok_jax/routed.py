@@ -12,8 +12,8 @@ is each row's expert output, f32, in the same order. Per round:
 With kernel "fused" the rows move inside kernels instead (issue 7): each round's dispatch and
 return are Mosaic GPU kernels of remote copies and semaphores (`pallas_kernels.exchange`; on the
 CPU their all_gather spec), into the tile-aligned expert-major buffer of
-`mok_jax.exchange_protocol`, whose groups the grouped-GEMM kernels read as they are; each row's
-routing weight travels with it and is applied in the down projection's epilogue, as on one
+`pallas_kernels.exchange.protocol`, whose groups the grouped-GEMM kernels read as they are; each
+row's routing weight travels with it and is applied in the down projection's epilogue, as on one
 device, so y and dx are the bits of the single-device `fused` implementation.
 
 The round count depends on the routing, so the loop is a `while_loop`, which reverse-mode
@@ -36,11 +36,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import Array, lax
 
-from mok_jax import exchange, exchange_protocol
+from mok_jax import exchange
 from mok_jax.config import Exchange
 from mok_jax.options import ExchangeFusion, Recompute, current_target
 from mok_jax.permute import take_rows
-from mok_jax.tiles import tile_layout, tiled_experts, vary, varying_axes
+from mok_jax.tiles import tile_layout, tiled_experts
+from pallas_kernels.exchange import protocol
+from pallas_kernels.mesh import vary, varying_axes
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -96,7 +98,7 @@ def _experts(x_rd, weights, experts_r, spec: RoutedSpec) -> Array:
         return tiled_experts(x_rd, *weights, layout, spec.dtype, spec.kernel)
 
 
-def _window_round(r, x_nd, weights, t: exchange.Traffic, spec: RoutedSpec) -> Array:
+def _window_round(r, x_nd, weights, t: protocol.Traffic, spec: RoutedSpec) -> Array:
     """Round r of the windowed exchange: -> f32 [N, D], nonzero on the rows of round r."""
     me, window = _me(spec), spec.buffer_rows
     tr = exchange.window_transfer(t, me, r, window)
@@ -124,7 +126,7 @@ def _local_window(tr: exchange.Transfer, num_rows: int, window: int) -> tuple[Ar
     return row_w, window_n
 
 
-def _ring_round(r, x_nd, weights, t: exchange.Traffic, spec: RoutedSpec) -> Array:
+def _ring_round(r, x_nd, weights, t: protocol.Traffic, spec: RoutedSpec) -> Array:
     """Round r of the ring: hop h sends my chunk for device me+h and computes the chunk from
     me-h; the GEMMs of one hop overlap the next hop's transfer. -> f32 [N, D]."""
     me, ep, chunk = _me(spec), spec.num_devices, spec.buffer_rows
@@ -159,14 +161,14 @@ def _fused_round(r, rows, weights, plan, spec: RoutedSpec) -> Array:
     x_nd, scale_n = rows
     t, moves, _ = plan
     me, window, tile = _me(spec), spec.buffer_rows, spec.exchange_tile
-    slots = exchange_protocol.num_tiles(window, tile, spec.num_local) * tile
-    dispatch, back = exchange_protocol.exchange_round(t, me, r, window, tile, moves)
-    group_sizes_g, _ = exchange_protocol.buffer_layout(t, me, r, window, tile)
+    slots = protocol.num_tiles(window, tile, spec.num_local) * tile
+    dispatch, back = protocol.exchange_round(t, me, r, window, tile, moves)
+    group_sizes_g, _ = protocol.buffer_layout(t, me, r, window, tile)
     # Every slot inside the groups that no row fills (an expert's last tile past its rows)
     # comes out of the dispatch as zeros, and so does the results' cotangent there (the
     # dispatch's zero ranges): zero rows add nothing to the weights' gradients, which sum over
     # whole row tiles. So do the first slots past the groups, which the weight gradients'
-    # kernel reads (exchange_protocol.TAIL_ZERO_ROWS); the slots after them are unspecified:
+    # kernel reads (protocol.TAIL_ZERO_ROWS); the slots after them are unspecified:
     # the GEMMs compute rows they load there and never store them, and the weight gradients
     # mask them out with a select (NaN there stays out). Rows of other rounds are
     # unspecified: `_rounds` keeps each row's own round.
@@ -189,18 +191,18 @@ def _fused_round(r, rows, weights, plan, spec: RoutedSpec) -> Array:
         )
 
 
-def _dest_of_rows(t: exchange.Traffic, me: Array, num_rows: int) -> Array:
+def _dest_of_rows(t: protocol.Traffic, me: Array, num_rows: int) -> Array:
     ends_d = t.send_start_sd[me] + t.send_sd[me]
     row_n = jnp.arange(num_rows, dtype=jnp.int32)
     return jnp.searchsorted(ends_d, row_n, side="right", method="scan_unrolled").astype(jnp.int32)
 
 
-def _fused_plan(t: exchange.Traffic, num_rows: int, spec: RoutedSpec):
+def _fused_plan(t: protocol.Traffic, num_rows: int, spec: RoutedSpec):
     """kernel "fused": (traffic, the exchange's (dispatch, back) pieces of every round, the
     round of each row), built once for all the rounds."""
     me, window, tile = _me(spec), spec.buffer_rows, spec.exchange_tile
-    pieces = exchange_protocol.exchange_pieces(t, me, num_rows, window, tile)
-    round_n = exchange_protocol.row_places(t, me, num_rows, window, tile).round_n
+    pieces = protocol.exchange_pieces(t, me, num_rows, window, tile)
+    round_n = protocol.row_places(t, me, num_rows, window, tile).round_n
     return t, pieces, round_n
 
 
@@ -210,21 +212,21 @@ def _plan_rounds(t, num_rows: int, spec: RoutedSpec):
     me = _me(spec)
     if spec.kernel == "fused":
         t, _, round_n = t
-        return _fused_round, exchange.window_rounds(t, spec.buffer_rows), round_n
+        return _fused_round, protocol.window_rounds(t, spec.buffer_rows), round_n
     dest_n = _dest_of_rows(t, me, num_rows)
     if spec.exchange == "ring" and spec.axis is not None:
         rank_n = jnp.arange(num_rows, dtype=jnp.int32) - t.send_start_sd[me, dest_n]
         return _ring_round, exchange.chunk_rounds(t, spec.buffer_rows), rank_n // spec.buffer_rows
     round_n = exchange.row_window_round(t, me, dest_n, spec.buffer_rows)
-    return _window_round, exchange.window_rounds(t, spec.buffer_rows), round_n
+    return _window_round, protocol.window_rounds(t, spec.buffer_rows), round_n
 
 
-def _counts(group_sizes_e: Array, spec: RoutedSpec) -> exchange.Traffic:
+def _counts(group_sizes_e: Array, spec: RoutedSpec) -> protocol.Traffic:
     if spec.axis is None:
         counts_se = group_sizes_e[None]
     else:
         counts_se = lax.all_gather(group_sizes_e, spec.axis)
-    return exchange.traffic(counts_se, spec.num_local)
+    return protocol.traffic(counts_se, spec.num_local)
 
 
 def routed_experts(

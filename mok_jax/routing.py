@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax import Array, lax
 
 from mok_jax.config import MoEConfig
-from mok_jax.tiles import vary, varying_axes
+from pallas_kernels.mesh import vary, varying_axes
 
 
 @functools.partial(

@@ -42,6 +42,7 @@ from mok_jax.experts import dot_precision, swiglu
 from mok_jax.options import current_target
 from mok_jax.permute import take_rows
 from mok_jax.plan import id_bounds
+from pallas_kernels.mesh import vary, varying_axes
 
 # Tiles per loop step: every loop step computes a dot of this many tiles.
 TILES_PER_STEP = 8
@@ -365,17 +366,6 @@ def _accumulate(acc_gxy: Array, part_bxy: Array, expert_b: Array, used_b: Array)
         return lax.dynamic_update_index_in_dim(acc, new, e, 0)
 
     return lax.fori_loop(0, part_bxy.shape[0], add, acc_gxy)
-
-
-def varying_axes(a: Array) -> frozenset[str]:
-    """The mesh axes `a` varies over inside shard_map (none outside)."""
-    return frozenset(jax.typeof(a).manual_axis_type.varying)
-
-
-def vary(a: Array, axes: frozenset[str]) -> Array:
-    """`a`, made to vary over `axes` too (its gradient is then summed over them)."""
-    missing = tuple(sorted(axes - varying_axes(a)))
-    return lax.pcast(a, missing, to="varying") if missing else a
 
 
 def _zeros_varying_like(shape: tuple[int, ...], *arrays: Array) -> Array:

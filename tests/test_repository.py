@@ -1,4 +1,5 @@
-"""The repository's shape: one-way layering, and the set-up script's search for Python."""
+"""The repository's shape: one-way layering (the kernels' tests included), and the set-up
+script's search for Python."""
 
 from __future__ import annotations
 
@@ -33,6 +34,59 @@ def test_imports_only_point_down(package):
     for path in (ROOT / package).rglob("*.py"):
         upward = (_imported_packages(path) & set(LAYERS)) - LAYERS[package] - {package}
         assert not upward, f"{path.relative_to(ROOT)} imports {upward}: layers point down only"
+
+
+def _imported_modules(path: pathlib.Path) -> set[str]:
+    """The dotted names of the modules `path` imports (absolute imports, anywhere in the file)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
+    return names
+
+
+# What the kernels and their tests must not import: the layers above them, directly or through
+# those layers' test helpers.
+ABOVE_KERNELS = ("mok_jax", "train", "tests.mok_jax", "tests.train")
+
+
+def _above_kernels(path: pathlib.Path) -> set[str]:
+    return {
+        name
+        for name in _imported_modules(path)
+        if any(name == top or name.startswith(f"{top}.") for top in ABOVE_KERNELS)
+    }
+
+
+@pytest.mark.parametrize("tree", ["pallas_kernels", "tests/pallas_kernels"])
+def test_kernels_and_their_tests_import_nothing_above(tree):
+    """The kernels' tests stand on pallas_kernels alone (its protocol, tolerances, mesh types)."""
+    paths = sorted((ROOT / tree).rglob("*.py"))
+    assert paths, tree
+    for path in paths:
+        above = _above_kernels(path)
+        assert not above, f"{path.relative_to(ROOT)} imports {sorted(above)}: kernels stand alone"
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "import mok_jax",
+        "from mok_jax import exchange",
+        "from mok_jax.tolerances import tolerance",
+        "import train.step as step",
+        "from tests.mok_jax.cases import random_inputs",
+        "def f():\n    from mok_jax import exchange\n",
+    ],
+)
+def test_an_upward_import_is_found(tmp_path, source):
+    path = tmp_path / "planted.py"
+    path.write_text(f"import jax\nfrom pallas_kernels import mesh\n{source}\n")
+    assert _above_kernels(path)
+    path.write_text("import jax\nfrom pallas_kernels import mesh\nimport tests.pallas_kernels\n")
+    assert not _above_kernels(path)
 
 
 def _fake_command(folder: pathlib.Path, name: str, script: str) -> None:

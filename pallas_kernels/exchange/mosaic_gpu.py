@@ -2,7 +2,7 @@
 each device copies its rows of a round straight into the peers' outputs (remote refs) and
 signals a counter there once a copy; each device returns once each of its own counters has
 counted the copies the protocol says it gets. No collective launch, no host sync, no placement
-by arrival: the tables (`Moves`) come from mok_jax/exchange_protocol.py. The forward's dispatch
+by arrival: the tables (`Moves`) come from protocol.py. The forward's dispatch
 (rows -> the receivers' tile-aligned buffers, a counter a tile) and return (results -> the rows'
 own positions, one counter) are both this kernel, with the two directions' tables, when they
 are not overlapped with the GEMMs (below).
@@ -92,6 +92,7 @@ from pallas_kernels.exchange import tuning as exchange_tuning
 from pallas_kernels.exchange.moves import Moves
 from pallas_kernels.grouped_matmul import mosaic_gpu as gmm_kernel
 from pallas_kernels.grouped_matmul import tuning
+from pallas_kernels.mesh import like
 
 # Rows a copy moves at most (a power of two), and the shared memory its stage may take.
 MAX_BOX_ROWS = 64
@@ -542,15 +543,7 @@ def send_rows(
         ],
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )(src_ad, tables)
-    return _like(out, src_ad)
-
-
-def _like(out: Array, operand: Array) -> Array:
-    """A kernel's output, typed to vary over the mesh axes `operand` varies over (the kernel's
-    output type drops them)."""
-    varying = lambda a: set(jax.typeof(a).manual_axis_type.varying)  # noqa: E731
-    missing = tuple(sorted(varying(operand) - varying(out)))
-    return lax.pcast(out, missing, to="varying") if missing else out
+    return like(out, src_ad)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -638,7 +631,7 @@ def _dispatch_copies(stages, srcs, dsts, kind_of, tables, counters, *, copier, c
             _signal(counters.at[counter_p_ref[p]], None if local else peer)
 
     # Last, the ranges no GEMM tile waits for (the first slots past the groups, which the
-    # weight gradients' kernel reads: exchange_protocol.TAIL_ZERO_ROWS): the stages are free
+    # weight gradients' kernel reads: protocol.TAIL_ZERO_ROWS): the stages are free
     # again, each copy having waited for its stores.
     zeros(signalled=False)
 
@@ -893,8 +886,8 @@ def _dispatch_gemm(
     )(schedule_t4, src_ad, *sides, tables, *weights)
     outs = tuple(out[:out_rows] if kernel_rows != out_rows else out for out in outs)
     buffer, *sides_out, out = outs
-    sides_out = tuple(_like(a, side) for a, side in zip(sides_out, sides, strict=True))
-    return _like(buffer, src_ad), sides_out, _like(out, src_ad)
+    sides_out = tuple(like(a, side) for a, side in zip(sides_out, sides, strict=True))
+    return like(buffer, src_ad), sides_out, like(out, src_ad)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1202,8 +1195,8 @@ def _gemm_return(
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )(schedule_t4, lhs_sk, *operands, *sides, tables)
     y = y[:num_slots] if kernel_rows != num_slots else y
-    sides_out = tuple(_like(a, side) for a, side in zip(sides_out, sides, strict=True))
-    return _like(y, lhs_sk), _like(out, lhs_sk), sides_out
+    sides_out = tuple(like(a, side) for a, side in zip(sides_out, sides, strict=True))
+    return like(y, lhs_sk), like(out, lhs_sk), sides_out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1452,4 +1445,4 @@ def dispatch_mlp_return(
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )(schedule_t4, src_ad, side_ac, tables, w_gate_gdf, w_up_gdf, w_down_gfd)
     buffer, side, h, y = (a[:out_rows] for a in (buffer, side, h, y))
-    return tuple(_like(a, src_ad) for a in (buffer, side, h, y, out))
+    return tuple(like(a, src_ad) for a in (buffer, side, h, y, out))

@@ -37,7 +37,7 @@ class Moves:
     size 0 for none): rows [zero_dst_z[z], + zero_size_z[z]) of this device's own output are
     set to zero in the round (rows no copy lands in: a buffer's padding).
 
-    Built by the protocol (`mok_jax.exchange_protocol.exchange_moves`), which also guarantees that
+    Built by the protocol (`protocol.exchange_moves`), which also guarantees that
     the destination rows of one round are distinct on every device.
     """
 

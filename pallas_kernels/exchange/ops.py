@@ -32,6 +32,7 @@ from pallas_kernels.exchange import mosaic_gpu, reference, tuning
 from pallas_kernels.exchange.moves import Moves
 from pallas_kernels.grouped_matmul import mosaic_gpu as grouped_kernel
 from pallas_kernels.grouped_matmul import ops as grouped_ops
+from pallas_kernels.mesh import like, vary_alike
 
 Implementation = Literal["auto", "mosaic_gpu", "reference"]
 # Which kernels of `dispatch_mlp` (with exchange programs, on a GPU) carry the exchange's copies:
@@ -133,7 +134,7 @@ def _dispatch_gate_up(static: _MlpStatic, x_nd, scale_n, moves, round_index, w_g
             buffer = send(x_nd, moves, round_index)
             side = send(scale_n4, moves, round_index)
             h = grouped_kernel.gmm_swiglu(buffer, w_gate, w_up, group_sizes, interpret=interpret)
-            return buffer, side, grouped_ops.like(h, buffer)
+            return buffer, side, like(h, buffer)
 
         return run
 
@@ -187,7 +188,7 @@ def _down_return(static: _MlpStatic, h, scale_s, w_down, group_sizes, back, roun
         out_dtype=jnp.float32,
         interpret=static.interpret,
     )
-    y = grouped_ops.like(y, h)
+    y = like(y, h)
     return _send(y, back, round_index, num_rows, static.axis_name, "auto")
 
 
@@ -246,7 +247,7 @@ def _grads_at_buffers(static: _MlpStatic, d_out, residuals):
             dy_s, buffer, scale_s4 = (send(a, moves, round_index) for a in (dy_c, x_nd, scale_n4))
             g = grouped_kernel.gmm(dy_s, w_down, group_sizes, transpose_rhs=True,
                                    out_dtype=jnp.float32, interpret=True)  # fmt: skip
-            g = grouped_ops.like(g, dy_s)
+            g = like(g, dy_s)
         else:
             dy_s, (buffer, scale_s4), g = mosaic_gpu.dispatch_down_grad(
                 dy_c,
@@ -398,7 +399,7 @@ def dispatch_mlp(
                         exchange_fusion=exchange_fusion, interpret=interpret)  # fmt: skip
     # As swiglu_mlp does: every operand varies over the mesh axes any of them varies over (an
     # operand made to vary gets its gradient summed over those axes).
-    x_nd, scale_n, w_gate_gdf, w_up_gdf, w_down_gfd, group_sizes_g = grouped_ops.vary_alike(
+    x_nd, scale_n, w_gate_gdf, w_up_gdf, w_down_gfd, group_sizes_g = vary_alike(
         x_nd, scale_n, w_gate_gdf, w_up_gdf, w_down_gfd, group_sizes_g
     )
     return _dispatch_mlp(static, x_nd, scale_n, moves, back, round_index, w_gate_gdf, w_up_gdf,

@@ -196,7 +196,7 @@ def tile_schedule(group_sizes_g: Array, *, num_rows: int, block_m: int) -> tuple
 
 
 # ----------------------------------------------------------------------------------------------
-# The kernel body.
+# The kernel body's building blocks: shared-memory layouts, its refs by role, its scratch.
 
 
 def _swizzled(itemsize: int) -> tuple[plgpu.TilingTransform, plgpu.SwizzleTransform]:
@@ -788,7 +788,8 @@ def _kernel(
             store_tile = functools.partial(_store_tile, part, block_n=block_n, out_dtype=out_dtype)
 
             def epilogue(values, scale, *, mi, ni, row0, lo, hi):
-                """A tile's epilogue on its f32 accumulator values, by kernel."""
+                """A tile's epilogue on its f32 accumulator values: gmm_swiglu_bwd's (h,
+                [d_gate | d_up], the d_s partials) or the forward's (plain, row-scaled, SwiGLU)."""
                 if swiglu_bwd:
                     h, d_gate, d_up = _swiglu_bwd_values(values, scale)
                     store_tile([h, d_gate, d_up], r.stored, row0=row0, lo=lo, hi=hi, ni=ni)

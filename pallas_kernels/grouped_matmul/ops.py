@@ -41,7 +41,8 @@ Inside `jax.shard_map` a kernel's output is typed as invariant over the mesh axe
 inputs, and a custom VJP's cotangents must have their primal's type. So the public functions
 first make every operand vary over the axes any of them varies over (`vary_alike`: the
 gradient of an operand made to vary comes back summed over those axes), and every kernel
-result is made to vary over them too (`like`). Outside shard_map both are no-ops.
+result is made to vary over them too (`like`), both from pallas_kernels/mesh.py. Outside
+shard_map both are no-ops.
 """
 
 from __future__ import annotations
@@ -53,10 +54,11 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
-from jax import Array, lax
+from jax import Array
 
 from pallas_kernels.grouped_matmul import mosaic_gpu
 from pallas_kernels.grouped_matmul.mosaic_gpu_wgrad import tgmm
+from pallas_kernels.mesh import like, vary_alike
 
 # How swiglu_mlp's backward recomputes gate, up and g = dy @ w_down.T, and forms h,
 # [d_gate | d_up] and d_s from them (module docstring). The same values either way (h to the
@@ -75,30 +77,6 @@ class _Static:
     interpret: bool = False
     recompute: Recompute = "gmm"
     input_grad: bool = True  # the swiglu MLP's backward computes d_lhs (else [d_gate | d_up])
-
-
-# ----------------------------------------------------------------------------------------------
-# Mesh-axis types (inside shard_map)
-
-
-def _varying(a: Array) -> frozenset[str]:
-    return frozenset(jax.typeof(a).manual_axis_type.varying)
-
-
-def _vary(a: Array, axes: frozenset[str]) -> Array:
-    missing = tuple(sorted(axes - _varying(a)))
-    return lax.pcast(a, missing, to="varying") if missing else a
-
-
-def vary_alike(*arrays: Array | None) -> tuple[Array | None, ...]:
-    """The arrays, each made to vary over every mesh axis one of them varies over."""
-    axes = frozenset().union(*(_varying(a) for a in arrays if a is not None))
-    return tuple(None if a is None else _vary(a, axes) for a in arrays)
-
-
-def like(out: Array, operand: Array) -> Array:
-    """A kernel's output, typed to vary over the mesh axes `operand` varies over."""
-    return _vary(out, _varying(operand))
 
 
 # ----------------------------------------------------------------------------------------------

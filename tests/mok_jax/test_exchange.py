@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mok_jax import exchange
+from pallas_kernels.exchange import protocol
 
 
 @st.composite
@@ -34,8 +35,8 @@ def expert_of_rows(counts_e: np.ndarray) -> np.ndarray:
 def test_window_rounds_deliver_every_row_once_in_source_order(case):
     counts_se, num_local, window = case
     num_devices = counts_se.shape[0]
-    t = exchange.traffic(jnp.asarray(counts_se), num_local)
-    rounds = int(exchange.window_rounds(t, window))
+    t = protocol.traffic(jnp.asarray(counts_se), num_local)
+    rounds = int(protocol.window_rounds(t, window))
     # What each destination must end up with: (source, row) in source order, by expert.
     expected = {d: [] for d in range(num_devices)}
     for s in range(num_devices):
@@ -90,7 +91,7 @@ def test_window_rounds_deliver_every_row_once_in_source_order(case):
 def test_ring_chunks_cover_every_block_once(case):
     counts_se, num_local, chunk = case
     num_devices = counts_se.shape[0]
-    t = exchange.traffic(jnp.asarray(counts_se), num_local)
+    t = protocol.traffic(jnp.asarray(counts_se), num_local)
     rounds = int(exchange.chunk_rounds(t, chunk))
     for s in range(num_devices):
         experts = expert_of_rows(counts_se[s])
@@ -110,7 +111,7 @@ def test_ring_chunks_cover_every_block_once(case):
 
 
 def test_reversed_transfer_swaps_roles():
-    t = exchange.traffic(jnp.asarray([[1, 2], [3, 0]], jnp.int32), 1)
+    t = protocol.traffic(jnp.asarray([[1, 2], [3, 0]], jnp.int32), 1)
     forward = exchange.window_transfer(t, jnp.int32(0), jnp.int32(0), 8)
     back = forward.reversed()
     np.testing.assert_array_equal(back.send_sizes, forward.recv_sizes)

@@ -24,7 +24,6 @@ import pytest
 
 from mok_jax import (
     MoEOptions,
-    exchange_protocol,
     gpu_target,
     make_mesh,
     presets,
@@ -32,7 +31,7 @@ from mok_jax import (
     targeting,
 )
 from mok_jax.resolve import GPU_TOKEN_CHUNK
-from pallas_kernels.exchange import mosaic_gpu, reference
+from pallas_kernels.exchange import mosaic_gpu, protocol, reference
 from tests.mok_jax.cases import (
     SCALED_PRESETS,
     assert_same_rows,
@@ -241,10 +240,10 @@ def test_nothing_reads_the_rows_the_kernel_leaves_unspecified(recompute, buffer_
         # The window: min(4 x 256 rows, 128 tokens x top-2 x EP 2) = 512 rows, 4 experts a
         # device; a device's groups end at its rows, each expert's padded to whole tiles.
         tile = cfg.options.exchange_tile
-        slots = exchange_protocol.num_tiles(512, tile, 4) * tile
+        slots = protocol.num_tiles(512, tile, 4) * tile
         counts_dg = np.asarray(aux.tokens_per_expert).reshape(2, 4)
         ends_d = np.sum(-(-counts_dg // tile) * tile, axis=1)
-        assert (slots - ends_d > exchange_protocol.TAIL_ZERO_ROWS).any(), (slots, ends_d)
+        assert (slots - ends_d > protocol.TAIL_ZERO_ROWS).any(), (slots, ends_d)
         base = value_and_grads(*random_inputs(cfg, num_tokens, 0), cfg, None)
     else:
         base = one_device(cfg, 0)
@@ -257,7 +256,7 @@ def test_the_weight_gradients_read_the_zeroed_slots_past_the_groups():
     no zeroed slots there (TAIL_ZERO_ROWS 0) the NaN the spec leaves there reach d_w_gate and
     d_w_up. This is why the dispatch zeroes TAIL_ZERO_ROWS of them."""
     cfg = with_impl(QWEN3, "fused", buffer_factor=4.0)
-    with mock.patch.object(exchange_protocol, "TAIL_ZERO_ROWS", 0):
+    with mock.patch.object(protocol, "TAIL_ZERO_ROWS", 0):
         (_, _), (dx, dparams) = nan_run(cfg, WIDE_TOKENS)
     assert np.isfinite(np.asarray(dx, np.float32)).all()
     assert not np.isfinite(np.asarray(dparams.w_gate, np.float32)).all()

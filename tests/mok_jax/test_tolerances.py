@@ -1,4 +1,5 @@
-"""The tolerance table: one bound per compute dtype, loosened for coarser storage."""
+"""The layer's tolerances: the kernels' one table (pallas_kernels/tolerances.py), with the
+layer's dtype names."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 from mok_jax.tolerances import TOLERANCES, relative_error, tolerance
+from pallas_kernels import tolerances
 
 
 def test_bounds_follow_precision():
@@ -14,6 +16,8 @@ def test_bounds_follow_precision():
     assert tolerance("float32", jnp.bfloat16) == bf16  # a bf16 output of f32 work
     assert tolerance("bfloat16", jnp.float32) == bf16  # f32 storage does not make bf16 exact
     assert len(TOLERANCES) == 3
+    assert TOLERANCES is tolerances.TOLERANCES  # one table, in one place
+    assert tolerance("bf16") is tolerances.tolerance(jnp.bfloat16)
 
 
 def test_unknown_compute_dtype():

@@ -353,7 +353,7 @@ def _ops_swiglu_mlp(*, d=D_OPS, f=D_OPS, weighted: bool = True, recompute="gmm")
 # at its tests' sizes: N rows a device, G_LOCAL experts a device, a receive window of WINDOW
 # rows in tiles of TILE, D and F. A device's copy tables come in as one int32 array
 # (`_MovesShape.unpack`): the kernels read tables of the protocol's shapes
-# (mok_jax/exchange_protocol.py's), whatever their values, so the test needs no protocol.
+# (pallas_kernels/exchange/protocol.py's), whatever their values, so the test needs no protocol.
 AXIS = "expert"
 EP_DEVICES = 8
 N_ROWS, G_LOCAL, WINDOW, TILE, D_MODEL, D_FF = 512, 4, 640, 64, 2048, 768

@@ -19,9 +19,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.sharding import PartitionSpec as P
 
-from mok_jax import exchange
-from mok_jax import exchange_protocol as xp
 from pallas_kernels.exchange import Moves, mosaic_gpu, reference
+from pallas_kernels.exchange import protocol as xp
 
 AXIS = "expert"
 
@@ -47,7 +46,7 @@ def dispatch_fn(
 
     def body(x, counts_se, round_index):
         me = jax.lax.axis_index(AXIS)
-        t = exchange.traffic(counts_se, num_local)
+        t = xp.traffic(counts_se, num_local)
         dispatch, back = xp.exchange_moves(t, me, round_index, num_rows, window, tile)
         if kernel:
             send = functools.partial(mosaic_gpu.send_rows, axis_name=AXIS, num_blocks=num_blocks,
@@ -138,7 +137,7 @@ def test_the_return_tables_cannot_share_its_one_counter():
     slots = xp.num_tiles(window, tile, num_local) * tile
 
     def body(y, counts_se, round_index):
-        t = exchange.traffic(counts_se, num_local)
+        t = xp.traffic(counts_se, num_local)
         _, back = xp.exchange_moves(t, jnp.int32(0), round_index, num_rows, window, tile)
         assert back.arrivals_c.shape == back.zero_dst_z.shape == (1,)
         return mosaic_gpu.send_rows(y, back, round_index, out_rows=num_rows, axis_name=AXIS)
@@ -184,8 +183,8 @@ def planned_buffers(counts_se, x_snd, num_local, window, tile):
     """On the host, from the protocol's row places: [EP, R, S, D] buffers and [EP, R, S] the
     slots a row fills."""
     num_devices, num_rows, d_model = x_snd.shape
-    t = exchange.traffic(jnp.asarray(counts_se), num_local)
-    rounds = int(exchange.window_rounds(t, window))
+    t = xp.traffic(jnp.asarray(counts_se), num_local)
+    rounds = int(xp.window_rounds(t, window))
     slots = xp.num_tiles(window, tile, num_local) * tile
     buf = np.zeros((num_devices, rounds, slots, d_model), x_snd.dtype)
     filled = np.zeros((num_devices, rounds, slots), bool)
@@ -203,7 +202,7 @@ def specified_slots(counts_se, num_local, num_rows, window, tile, round_index):
     """[EP, S] bool: the slots of each device's buffer in a round that the dispatch specifies,
     those a row fills and those its zero ranges cover (the padding inside the groups and the
     first TAIL_ZERO_ROWS past them); the kernel leaves the others unspecified."""
-    t = exchange.traffic(jnp.asarray(counts_se), num_local)
+    t = xp.traffic(jnp.asarray(counts_se), num_local)
     slots = xp.num_tiles(window, tile, num_local) * tile
     num_devices = counts_se.shape[0]
     specified = np.zeros((num_devices, slots), bool)
@@ -220,7 +219,7 @@ def specified_slots(counts_se, num_local, num_rows, window, tile, round_index):
 def planned_returns(counts_se, x_snd, num_local, window, tile, round_index):
     """[EP, N, D]: every device's rows of the round, zeros elsewhere (what the return brings
     back when the buffers are sent back as they came)."""
-    t = exchange.traffic(jnp.asarray(counts_se), num_local)
+    t = xp.traffic(jnp.asarray(counts_se), num_local)
     rows = np.zeros_like(x_snd)
     for s in range(x_snd.shape[0]):
         places = xp.row_places(t, jnp.int32(s), x_snd.shape[1], window, tile)
@@ -242,7 +241,7 @@ def test_the_reference_puts_every_row_where_the_protocol_says_and_back():
 
     def with_layout(x, counts_se, round_index):
         me = jax.lax.axis_index(AXIS)
-        t = exchange.traffic(counts_se, num_local)
+        t = xp.traffic(counts_se, num_local)
         _, filled_s = xp.buffer_layout(t, me, round_index, window, tile)
         return *body(x, counts_se, round_index), filled_s
 
@@ -267,7 +266,7 @@ def test_the_piece_copies_place_every_row_in_interpret_mode():
     the rest's boxes): every row lands in the slot the protocol gives it, in every round."""
     num_local, num_rows, window, tile, d_model, blocks = 3, 200, 96, 8, 256, 4
     counts_se = random_counts(1, 1, num_local, num_rows)
-    t = exchange.traffic(jnp.asarray(counts_se), num_local)
+    t = xp.traffic(jnp.asarray(counts_se), num_local)
     x = jax.random.normal(jax.random.key(0), (num_rows, d_model), jnp.float32)
     x = x.astype(jnp.bfloat16)
     want, filled, rounds = planned_buffers(counts_se, np.asarray(x)[None], num_local, window, tile)
@@ -463,7 +462,7 @@ def test_gpu_dispatch_and_return_place_every_row(num_local, num_rows, window, ti
     kernel, slots = dispatch_fn(num_local, num_rows, window, tile, kernel=True,
                                 copy_stages=copy_stages)  # fmt: skip
     kernel = jax.jit(jax.shard_map(kernel, **specs))
-    t = exchange.traffic(jnp.asarray(counts_se), num_local)
+    t = xp.traffic(jnp.asarray(counts_se), num_local)
     for r in range(rounds):
         buf, back = (np.asarray(a) for a in kernel(*placed(mesh, x, counts_se, r)))
         # Every slot the dispatch specifies: the rows as planned, zeros in its zero ranges.
@@ -487,7 +486,7 @@ def round_tables(counts_se, round_index, num_local, num_rows, window, tile):
     """This device's (dispatch moves, return moves, buffer group sizes) of a round, inside
     shard_map over AXIS."""
     me = jax.lax.axis_index(AXIS)
-    t = exchange.traffic(counts_se, num_local)
+    t = xp.traffic(counts_se, num_local)
     dispatch, back = xp.exchange_moves(t, me, round_index, num_rows, window, tile)
     group_sizes, _ = xp.buffer_layout(t, me, round_index, window, tile)
     return dispatch, back, group_sizes
@@ -612,8 +611,8 @@ def test_overlapped_waits_cover_every_stored_row(
     block_m = grouped.programs_config("swiglu", n=768, dtype=jnp.bfloat16).block_m
     assert grouped.programs_config("transposed", n=768, dtype=jnp.bfloat16).block_m == block_m
     counts_se = random_counts(seed, num_devices, num_local, num_rows)
-    t = exchange.traffic(jnp.asarray(counts_se), num_local)
-    rounds = int(exchange.window_rounds(t, window))
+    t = xp.traffic(jnp.asarray(counts_se), num_local)
+    rounds = int(xp.window_rounds(t, window))
     slots = xp.num_tiles(window, tile, num_local) * tile
     num_tiles = slots // tile
     for r in range(rounds):
@@ -686,8 +685,8 @@ def test_gpu_dispatch_swiglu_gives_the_bits_of_the_separate_kernels(
     mesh = jax.make_mesh((len(devices),), (AXIS,), devices=devices)
     d_model, d_ff = 2048, 768
     counts_se = random_counts(2, len(devices), num_local, num_rows)
-    t = exchange.traffic(jnp.asarray(counts_se), num_local)
-    rounds = int(exchange.window_rounds(t, window))
+    t = xp.traffic(jnp.asarray(counts_se), num_local)
+    rounds = int(xp.window_rounds(t, window))
     specs = dict(mesh=mesh, in_specs=(P(AXIS),) * 4 + (P(), P()), out_specs=(P(AXIS),) * 3)
     runs = [
         jax.jit(jax.shard_map(dispatch_swiglu_fn(num_local, num_rows, window, tile,
@@ -838,8 +837,8 @@ def test_gpu_dispatch_down_grad_gives_the_bits_of_the_separate_kernels(
     mesh = jax.make_mesh((len(devices),), (AXIS,), devices=devices)
     d_model, d_ff = 2048, 768
     counts_se = random_counts(3, len(devices), num_local, num_rows)
-    t = exchange.traffic(jnp.asarray(counts_se), num_local)
-    rounds = int(exchange.window_rounds(t, window))
+    t = xp.traffic(jnp.asarray(counts_se), num_local)
+    rounds = int(xp.window_rounds(t, window))
     specs = dispatch_down_grad_specs(mesh, num_sides)
     runs = [
         jax.jit(jax.shard_map(
@@ -979,8 +978,8 @@ def test_return_waits_are_the_row_tiles_that_store_each_piece(
     from pallas_kernels.grouped_matmul import mosaic_gpu as grouped
 
     counts_se = random_counts(seed, num_devices, num_local, num_rows)
-    t = exchange.traffic(jnp.asarray(counts_se), num_local)
-    rounds = int(exchange.window_rounds(t, window))
+    t = xp.traffic(jnp.asarray(counts_se), num_local)
+    rounds = int(xp.window_rounds(t, window))
     slots = xp.num_tiles(window, tile, num_local) * tile
     pieces = 0
     for r in range(rounds):
@@ -1018,8 +1017,8 @@ def test_gpu_down_return_gives_the_bits_of_the_separate_kernels(
     mesh = jax.make_mesh((len(devices),), (AXIS,), devices=devices)
     d_model, d_ff = 2048, 768
     counts_se = random_counts(2, len(devices), num_local, num_rows)
-    t = exchange.traffic(jnp.asarray(counts_se), num_local)
-    rounds = int(exchange.window_rounds(t, window))
+    t = xp.traffic(jnp.asarray(counts_se), num_local)
+    rounds = int(xp.window_rounds(t, window))
     slots = xp.num_tiles(window, tile, num_local) * tile
     specs = dict(mesh=mesh, in_specs=(P(AXIS),) * 3 + (P(), P()), out_specs=(P(AXIS),) * 2)
     runs = [
@@ -1151,8 +1150,8 @@ def test_gpu_dgrad_return_gives_the_bits_of_the_separate_kernels(
     mesh = jax.make_mesh((len(devices),), (AXIS,), devices=devices)
     d_model, d_ff = 2048, 768
     counts_se = random_counts(4, len(devices), num_local, num_rows)
-    t = exchange.traffic(jnp.asarray(counts_se), num_local)
-    rounds = int(exchange.window_rounds(t, window))
+    t = xp.traffic(jnp.asarray(counts_se), num_local)
+    rounds = int(xp.window_rounds(t, window))
     slots = xp.num_tiles(window, tile, num_local) * tile
     specs = dgrad_return_specs(mesh, num_sides=1)
     runs = [
@@ -1291,8 +1290,8 @@ def test_gpu_dispatch_mlp_return_gives_the_bits_of_the_separate_kernels(
     mesh = jax.make_mesh((len(devices),), (AXIS,), devices=devices)
     d_model, d_ff = 2048, 768
     counts_se = random_counts(5, len(devices), num_local, num_rows)
-    t = exchange.traffic(jnp.asarray(counts_se), num_local)
-    rounds = int(exchange.window_rounds(t, window))
+    t = xp.traffic(jnp.asarray(counts_se), num_local)
+    rounds = int(xp.window_rounds(t, window))
     runs = [
         jax.jit(jax.shard_map(forward_fn(num_local, num_rows, window, tile, exchange_programs=c,
                                          copy_stages=copy_stages)[0],

@@ -10,9 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from mok_jax import exchange
-from mok_jax import exchange_protocol as xp
 from pallas_kernels.exchange import ops, reference
+from pallas_kernels.exchange import protocol as xp
 from tests.pallas_kernels.exchange.test_mosaic_gpu import AXIS, placed, random_counts
 
 
@@ -26,7 +25,7 @@ def test_the_gradient_is_the_transpose_of_the_copy():
     mesh = jax.make_mesh((num_devices,), (AXIS,))
 
     def body(x, g, counts_se, round_index):
-        t = exchange.traffic(counts_se, num_local)
+        t = xp.traffic(counts_se, num_local)
         me = jax.lax.axis_index(AXIS)
         dispatch, back = xp.exchange_moves(t, me, round_index, num_rows, window, tile)
 
@@ -51,8 +50,8 @@ def test_the_gradient_is_the_transpose_of_the_copy():
         jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS), P(AXIS), P(), P()),
                       out_specs=(P(AXIS),) * 4)
     )  # fmt: skip
-    t = exchange.traffic(jnp.asarray(counts_se), num_local)
-    rounds = int(exchange.window_rounds(t, window))
+    t = xp.traffic(jnp.asarray(counts_se), num_local)
+    rounds = int(xp.window_rounds(t, window))
     assert rounds >= 2
     put = lambda a: jax.device_put(a, jax.NamedSharding(mesh, P(AXIS)))  # noqa: E731
     for r in range(rounds):

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from mok_jax.tolerances import tolerance
 from pallas_kernels.grouped_matmul import mosaic_gpu, reference, tuning
 from pallas_kernels.grouped_matmul.tuning import TileConfig
+from pallas_kernels.tolerances import tolerance
 
 # Small tiles keep GPU interpret mode fast on 2 CPU cores; 3 programs exercise the persistent
 # loop (several tiles per program) and the partial last wave: the table's interpret config.

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from mok_jax.tolerances import tolerance
 from pallas_kernels.grouped_matmul import mosaic_gpu, reference, tuning
+from pallas_kernels.tolerances import tolerance
 
 SMALL = tuning.INTERPRET_CONFIG
 

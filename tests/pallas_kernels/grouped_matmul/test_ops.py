@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mok_jax.tolerances import tolerance
 from pallas_kernels.grouped_matmul import ops, reference
+from pallas_kernels.tolerances import tolerance
 
 # (M, K, N, group sizes): an empty group, partial tiles, rows past every group.
 CASES = [

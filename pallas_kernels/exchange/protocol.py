@@ -1,6 +1,11 @@
-"""The protocol of the in-kernel exchange (issue 7): who writes which slot, which semaphore
-counts what, in which order. Pure functions of the all-gathered counts (`exchange.Traffic`),
-so every slot and every count is known before any row moves.
+"""The protocol of the in-kernel exchange: who writes which slot, which semaphore counts what,
+in which order. Pure functions of the all-gathered counts (`Traffic`), so every slot and every
+count is known before any row moves; the kernels (mosaic_gpu.py, ops.py) take its tables
+(`Moves`) as they are.
+
+Traffic. Experts are split evenly over the EP devices of the exchange's mesh axis (device d owns
+experts [d G, (d + 1) G)); every device knows every device's per-expert counts [EP, E] (an
+all_gather), from which `traffic` forms who sends how many rows to whom.
 
 Layout. Receiver d orders the rows it gets by (its local expert g, source s, the row's position
 among s's sorted rows): its expert-major order. Round r carries positions [r W, (r + 1) W) of
@@ -26,8 +31,8 @@ dy and brings back the input gradients the same way):
   5. Source s has all of round r's results back after `return_arrivals[d]` signals from each d.
 
 Invariants (tested; 2 and 3 also on the CPU model of the copies and semaphores,
-tests/mok_jax/protocol_sim.py, where a receiver waits for each piece's bytes on the tile's DMA
-semaphore rather than counting signals):
+tests/pallas_kernels/exchange/protocol_sim.py, where a receiver waits for each piece's bytes on
+the tile's DMA semaphore rather than counting signals):
   1. Within a receiver's round every row has its own slot; a tile holds one expert's rows.
   2. A slot is written once a round, before the wait that covers its tile returns.
   3. Every wait counts exactly the signals sent to it: no deadlock, no early read.
@@ -38,13 +43,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 from jax import Array
 
-from mok_jax.exchange import Traffic, exclusive_cumsum
+from pallas_kernels.exchange.moves import Moves
 
 # The slots past a round's groups that must hold finite values: the first TAIL_ZERO_ROWS of
 # them, zeroed by the dispatch; the others are left unspecified. The weight gradients' kernel
@@ -64,8 +68,56 @@ TAIL_ZERO_ROWS = 128
 # in parallel (one range a copier).
 TAIL_RANGES = 8
 
-if TYPE_CHECKING:
-    from pallas_kernels.exchange.moves import Moves
+
+def exclusive_cumsum(a: Array, axis: int = -1) -> Array:
+    return jnp.cumsum(a, axis=axis, dtype=jnp.int32) - a.astype(jnp.int32)
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["counts_se", "send_sd", "send_start_sd", "recv_off_sd"],
+    meta_fields=["num_local"],
+)
+@dataclasses.dataclass(frozen=True)
+class Traffic:
+    """Who sends what to whom, the same on every device of the expert axis (int32).
+
+    Attributes:
+      counts_se: [EP, E] rows of each source device for each expert.
+      send_sd: [EP, EP] rows source s sends to destination d.
+      send_start_sd: [EP, EP] where s's block for d starts among s's sorted rows.
+      recv_off_sd: [EP, EP] where s's block starts in d's concatenated order.
+      num_local: G, experts per device.
+    """
+
+    counts_se: Array
+    send_sd: Array
+    send_start_sd: Array
+    recv_off_sd: Array
+    num_local: int
+
+    @property
+    def recv_total_d(self) -> Array:
+        return jnp.sum(self.send_sd, axis=0, dtype=jnp.int32)
+
+
+def traffic(counts_se: Array, num_local: int) -> Traffic:
+    """`Traffic` from the all-gathered per-expert counts [EP, E]."""
+    num_devices = counts_se.shape[0]
+    send_sd = counts_se.reshape(num_devices, num_devices, num_local).sum(-1, dtype=jnp.int32)
+    return Traffic(
+        counts_se=counts_se.astype(jnp.int32),
+        send_sd=send_sd,
+        send_start_sd=exclusive_cumsum(send_sd, axis=1),
+        recv_off_sd=exclusive_cumsum(send_sd, axis=0),
+        num_local=num_local,
+    )
+
+
+def window_rounds(t: Traffic, window: int) -> Array:
+    """int32 []: rounds the windowed exchange needs (>= 1) on this expert axis: round r carries
+    positions [r W, (r + 1) W) of each receiver's order (W = `window`)."""
+    return jnp.maximum(jnp.max((t.recv_total_d + window - 1) // window), 1)
 
 
 def num_tiles(window: int, tile: int, num_local: int) -> int:
@@ -298,9 +350,6 @@ def exchange_pieces(
     counter. The return's tables are every source's pieces to `me` (from the counts alone, as
     everything here): EP sorts of N rows and one of EP * N pieces, once for all rounds.
     """
-    # Imported here: the kernels' package loads only when the in-kernel exchange runs.
-    from pallas_kernels.exchange.moves import Moves
-
     num_devices = t.counts_se.shape[0]
     sources = jnp.arange(num_devices, dtype=jnp.int32)
     every = jax.vmap(lambda s: pieces(row_places(t, s, num_rows, window, tile), tile))(sources)

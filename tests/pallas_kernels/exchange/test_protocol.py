@@ -19,11 +19,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mok_jax import exchange
-from mok_jax import exchange_protocol as xp
-from tests.mok_jax.protocol_sim import pieces
+from pallas_kernels.exchange import protocol as xp
+from tests.pallas_kernels.exchange.protocol_sim import pieces
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 
 @st.composite
@@ -42,7 +41,7 @@ def protocol_cases(draw):
 
 
 def all_places(counts_se, num_local, num_rows, window, tile):
-    t = exchange.traffic(jnp.asarray(counts_se), num_local)
+    t = xp.traffic(jnp.asarray(counts_se), num_local)
     places = [
         xp.row_places(t, jnp.int32(s), num_rows, window, tile) for s in range(counts_se.shape[0])
     ]
@@ -55,7 +54,7 @@ def test_every_row_has_its_own_slot_in_expert_major_order(case):
     counts_se, num_local, _, window, tile = case
     num_devices = counts_se.shape[0]
     t, places = all_places(*case)
-    rounds = int(exchange.window_rounds(t, window))
+    rounds = int(xp.window_rounds(t, window))
     slots = xp.num_tiles(window, tile, num_local) * tile
     for s, p in enumerate(places):
         routed = int(counts_se[s].sum())
@@ -95,8 +94,8 @@ def test_semaphore_counts_are_the_pieces_sent(case):
     the row places, return_arrivals against the pieces each source sent."""
     counts_se, num_local, num_rows, window, tile = case
     num_devices = counts_se.shape[0]
-    t = exchange.traffic(jnp.asarray(counts_se), num_local)
-    rounds = int(exchange.window_rounds(t, window))
+    t = xp.traffic(jnp.asarray(counts_se), num_local)
+    rounds = int(xp.window_rounds(t, window))
     sent = [
         pieces(xp.row_places(t, jnp.int32(s), num_rows, window, tile), s, tile)
         for s in range(num_devices)
@@ -130,7 +129,7 @@ def test_true_first_is_the_stable_partitions_first_part(mask):
 def test_pieces_are_the_runs_of_rows_in_one_tile(case):
     """The traceable `pieces` (what the kernels read) against a loop over the rows."""
     counts_se, num_local, num_rows, window, tile = case
-    t = exchange.traffic(jnp.asarray(counts_se), num_local)
+    t = xp.traffic(jnp.asarray(counts_se), num_local)
     for s in range(counts_se.shape[0]):
         places = xp.row_places(t, jnp.int32(s), num_rows, window, tile)
         got = jax.tree.map(np.asarray, xp.pieces(places, tile))
@@ -156,7 +155,7 @@ def test_exchange_moves_go_there_and_back_and_zero_the_padding(case):
     counts_se, _, num_rows, window, tile = case
     num_devices = counts_se.shape[0]
     t, places = all_places(*case)
-    rounds = int(exchange.window_rounds(t, window))
+    rounds = int(xp.window_rounds(t, window))
     for r in range(rounds):
         returned = {s: [] for s in range(num_devices)}
         for d in range(num_devices):
@@ -216,7 +215,7 @@ def test_exchange_moves_go_there_and_back_and_zero_the_padding(case):
 
 def test_the_tables_trace_under_jit_with_traced_device_and_round():
     counts_se = np.array([[3, 0, 5, 2], [1, 4, 0, 6]], np.int32)
-    t = exchange.traffic(jnp.asarray(counts_se), 2)
+    t = xp.traffic(jnp.asarray(counts_se), 2)
 
     @jax.jit
     def tables(t, me, r):
@@ -268,7 +267,7 @@ def test_the_zeroed_tail_covers_what_the_weight_gradients_read_past_a_group():
 
 @pytest.mark.parametrize("window,tile", [(0, 4), (8, 0), (-1, 1)])
 def test_bad_window_or_tile_raises(window, tile):
-    t = exchange.traffic(jnp.asarray(np.array([[2, 1]], np.int32)), 2)
+    t = xp.traffic(jnp.asarray(np.array([[2, 1]], np.int32)), 2)
     with pytest.raises(ValueError, match="must be >= 1"):
         xp.row_places(t, jnp.int32(0), 3, window, tile)
     with pytest.raises(ValueError, match="must be >= 1"):
@@ -281,7 +280,7 @@ def test_a_worked_example():
     """Two devices, one expert each, window 4, tile 2: receiver 0 gets source 0's 3 rows and
     source 1's 2 rows of expert 0, so in round 0 slots 0-2 and 3; round 1 slot 0."""
     counts_se = np.array([[3, 1], [2, 0]], np.int32)
-    t = exchange.traffic(jnp.asarray(counts_se), 1)
+    t = xp.traffic(jnp.asarray(counts_se), 1)
     p0 = xp.row_places(t, jnp.int32(0), 4, 4, 2)
     p1 = xp.row_places(t, jnp.int32(1), 2, 4, 2)
     np.testing.assert_array_equal(p0.dest_n, [0, 0, 0, 1])
@@ -304,8 +303,8 @@ def test_a_worked_example():
 def simulate(variant: str, seed: int = 0, timeout: float = 240.0) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
-        [sys.executable, "-m", "tests.mok_jax.protocol_sim", "--variant", variant, "--seed",
-         str(seed)],
+        [sys.executable, "-m", "tests.pallas_kernels.exchange.protocol_sim", "--variant", variant,
+         "--seed", str(seed)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]

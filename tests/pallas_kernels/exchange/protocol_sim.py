@@ -1,12 +1,12 @@
-"""The in-kernel exchange's protocol (mok_jax/exchange_protocol.py) run on a CPU model of remote
-copies and semaphores, with races reported: Pallas TPU interpret mode over fake CPU devices,
-inside `jax.shard_map`.
+"""The in-kernel exchange's protocol (pallas_kernels/exchange/protocol.py) run on a CPU model
+of remote copies and semaphores, with races reported: Pallas TPU interpret mode over fake CPU
+devices, inside `jax.shard_map`.
 
-    python -m tests.mok_jax.protocol_sim --variant correct --seed 0
+    python -m tests.pallas_kernels.exchange.protocol_sim --variant correct --seed 0
 
 prints one JSON line: whether the race detector found a race, whether each round's receive
 buffers hold the rows the protocol says, and whether every row came back to its own place. A
-deadlocked protocol hangs: run this in a subprocess under a timeout (test_exchange_protocol.py).
+deadlocked protocol hangs: run this in a subprocess under a timeout (test_protocol.py).
 
 The program of each device follows the protocol's steps 1-5 with the copies as remote DMAs:
 a piece's DMA signals the receiver's DMA semaphore of its tile, which the receiver waits on
@@ -43,8 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 
-from mok_jax import exchange
-from mok_jax import exchange_protocol as xp
+from pallas_kernels.exchange import protocol as xp
 
 VARIANTS = ("correct", "overlap", "early_read", "extra_wait", "no_credit")
 AXIS = "expert"
@@ -93,8 +92,8 @@ class Case:
     def num_devices(self) -> int:
         return self.counts_se.shape[0]
 
-    def traffic(self) -> exchange.Traffic:
-        return exchange.traffic(jnp.asarray(self.counts_se, jnp.int32), self.num_local)
+    def traffic(self) -> xp.Traffic:
+        return xp.traffic(jnp.asarray(self.counts_se, jnp.int32), self.num_local)
 
 
 def random_case(seed: int, num_devices: int = 8) -> Case:
@@ -129,7 +128,7 @@ class Schedule:
 
 def schedule(case: Case, variant: str) -> Schedule:
     t = case.traffic()
-    rounds = int(exchange.window_rounds(t, case.window))
+    rounds = int(xp.window_rounds(t, case.window))
     num_tiles = xp.num_tiles(case.window, case.tile, case.num_local)
     sent = [
         pieces(xp.row_places(t, jnp.int32(s), case.num_rows, case.window, case.tile), s, case.tile)
