@@ -225,7 +225,7 @@ def _tgmm_kernel(
          outside the group assumed). Every other step is whole rows of the group. The rhs
          rows are replaced (a select), not multiplied by a mask: the exchange's buffers leave
          rows past the groups unspecified, and NaN there must not reach the sums
-         (mok_jax/exchange_protocol.py, TAIL_ZERO_ROWS).
+         (pallas_kernels/exchange/protocol.py, TAIL_ZERO_ROWS).
       4. Accumulation is f32 in registers (wgmma); one cast at the store.
       5. A stage is refilled only after every compute warpgroup released it, and a warpgroup
          releases a stage only after the wgmmas that read it completed: with delay_release=0
