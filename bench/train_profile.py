@@ -1,7 +1,7 @@
 """Where the training step's time goes on the GPU: kernel time per part of the model.
 
     XLA_FLAGS=--xla_gpu_enable_command_buffer= PYTHONPATH=. python3 -m bench.train_profile \
-        --out DIR [--preset gpu] [--implementation fused] [--iters 3] [--batch-size N]
+        --out DIR [--preset gpu] [--implementation fused] [--iters 3] [--batch-size N] [--top 25]
 
 Compiles the preset's train step (one device, no mesh), runs it a few times, then records
 `iters` steps under jax.profiler and charges each GPU kernel to the part of the model its HLO
@@ -49,8 +49,15 @@ def part_of(op_name: str) -> str:
     return "other"
 
 
-def profile(trainer: Trainer, iters: int, warmup: int = 3) -> dict:
-    """Kernel time per part of `iters` steps of `trainer`'s step (after `warmup` steps)."""
+def op_kind(op_name: str) -> str:
+    """The operation an op_name ends in, e.g. "add" of ".../moe/add"; "(unnamed)" for none."""
+    return op_name.rstrip("/").rsplit("/", 1)[-1] or "(unnamed)"
+
+
+def profile(trainer: Trainer, iters: int, warmup: int = 3, top: int = 25) -> dict:
+    """Kernel time per part of `iters` steps of `trainer`'s step (after `warmup` steps), the
+    `top` kernels, and the `top` (part, operation) pairs (kernels grouped by the operation
+    their op_name ends in: where a part's time goes)."""
     cfg = trainer.train_cfg
     args = trainer._abstract_args()
     with trainer.context():
@@ -80,15 +87,20 @@ def profile(trainer: Trainer, iters: int, warmup: int = 3) -> dict:
         events = _device_events(str(path), module)
     by_part = collections.defaultdict(lambda: [0.0, 0])
     by_kernel = collections.defaultdict(lambda: [0.0, 0, ""])
+    by_op = collections.defaultdict(lambda: [0.0, 0])
     for name, _, duration_ns in events:
         part = part_of(ops.get(name, ""))
+        kind = by_op[part, op_kind(ops.get(name, ""))]
+        kind[0] += duration_ns / 1e6 / iters
+        kind[1] += 1 / iters
         by_part[part][0] += duration_ns / 1e6 / iters
         by_part[part][1] += 1 / iters
         kernel = by_kernel[name]
         kernel[0] += duration_ns / 1e6 / iters
         kernel[1] += 1 / iters
         kernel[2] = part
-    top = sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:25]
+    top_ops = sorted(by_op.items(), key=lambda kv: -kv[1][0])[:top]
+    top = sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:top]
     return {
         "wall_ms_per_step": wall_ms,
         "kernel_ms_per_step": sum(v[0] for v in by_part.values()),
@@ -97,6 +109,7 @@ def profile(trainer: Trainer, iters: int, warmup: int = 3) -> dict:
             {"kernel": k, "ms": v[0], "count": v[1], "part": v[2], "op": ops.get(k, "")[-160:]}
             for k, v in top
         ],
+        "ops": [{"part": part, "op": op, "ms": v[0], "kernels": v[1]} for (part, op), v in top_ops],
     }
 
 
@@ -115,6 +128,9 @@ def render(result: dict) -> str:
     for k in result["top"]:
         op = k["op"].replace("|", "/")[-90:]
         lines.append(f"| {k['kernel']} | {k['part']} | {k['ms']:.2f} | {k['count']:.0f} | {op} |")
+    lines += ["", "| part | operation | ms / step | kernels / step |", "|---|---|---|---|"]
+    for k in result.get("ops", []):
+        lines.append(f"| {k['part']} | {k['op']} | {k['ms']:.2f} | {k['kernels']:.0f} |")
     return "\n".join(lines)
 
 
@@ -125,6 +141,7 @@ def main(argv=None) -> None:
     p.add_argument("--implementation", default=None)
     p.add_argument("--batch-size", type=int)
     p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--top", type=int, default=25, help="kernels and operations listed")
     args = p.parse_args(argv)
     preset = PRESETS[args.preset]
     changes = {"implementation": args.implementation, "batch_size": args.batch_size}
@@ -132,7 +149,7 @@ def main(argv=None) -> None:
         preset.train, **{k: v for k, v in changes.items() if v is not None}
     )
     trainer = Trainer(preset.model, train_cfg, None)
-    result = profile(trainer, args.iters)
+    result = profile(trainer, args.iters, top=args.top)
     result |= {
         "device": jax.devices()[0].device_kind,
         "preset": args.preset,

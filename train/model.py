@@ -84,13 +84,16 @@ class Attention(nnx.Module):
     def __call__(self, x_bsd: Array) -> Array:
         cfg = self.cfg
         w_qkv = self.w_qkv[...].astype(cfg.dtype)
-        qkv = jnp.einsum("bsd,dtnh->tbsnh", x_bsd, w_qkv)
-        q, k = rotary(qkv[0], cfg.rope_theta), rotary(qkv[1], cfg.rope_theta)
+        # One product per projection, each [B, S, N, H] as the attention reads it: one product
+        # into [3, B, S, N, H] made the backward transpose its cotangent twice (into the input
+        # gradient's and the weights' layouts), ~1.1 ms a block on an H100 at the gpu preset.
+        q, k, v = (jnp.einsum("bsd,dnh->bsnh", x_bsd, w_qkv[:, i]) for i in range(3))
+        q, k = rotary(q, cfg.rope_theta), rotary(k, cfg.rope_theta)
         # jax's XLA attention promotes bf16 logits to f32 implicitly (`promote_types`), which
         # strict dtype promotion (the test suite's) rejects: jax's promotion, scoped to it.
         with jax.numpy_dtype_promotion("standard"):
             out_bsnh = jax.nn.dot_product_attention(
-                q, k, qkv[2], is_causal=True, implementation=attention_impl(cfg)
+                q, k, v, is_causal=True, implementation=attention_impl(cfg)
             )
         return jnp.einsum("bsnh,nhd->bsd", out_bsnh, self.w_out[...].astype(cfg.dtype))
 
@@ -180,10 +183,14 @@ def _stacked(make, count: int, rngs: nnx.Rngs):
     return build(rngs)
 
 
-def scan_groups(groups: Group, x_bsd: Array, remat: Remat) -> tuple[Array, MoEAux]:
+def scan_groups(
+    groups: Group, x_bsd: Array, remat: Remat, *, unroll: bool = False
+) -> tuple[Array, MoEAux]:
     """Applies the stacked groups in order with one `lax.scan`: the group (and the MoE layer's
     kernels in it) is traced, lowered and compiled once, however many there are. Returns the
-    last group's output and the MoE blocks' `MoEAux`, each field with a leading [G] axis."""
+    last group's output and the MoE blocks' `MoEAux`, each field with a leading [G] axis.
+    `unroll=True` unrolls the scan (one copy of the group per group in the program: what the
+    scan costs is measured against it, `bench/scan_cost.py`)."""
     graphdef, state = nnx.split(groups)
 
     def body(x, group_state):
@@ -191,7 +198,7 @@ def scan_groups(groups: Group, x_bsd: Array, remat: Remat) -> tuple[Array, MoEAu
 
     if remat == "block":
         body = jax.checkpoint(body, prevent_cse=False)
-    return lax.scan(body, x_bsd, state)
+    return lax.scan(body, x_bsd, state, unroll=unroll)
 
 
 class LanguageModel(nnx.Module):

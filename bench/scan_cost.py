@@ -1,0 +1,149 @@
+"""What the scan over blocks costs: the training step with its blocks applied by `lax.scan`
+(as `train.model.scan_groups` applies them) against the same blocks unrolled (each block its
+own copy in the program), at a reduced depth.
+
+    PYTHONPATH=. python3 -m bench.scan_cost --out DIR [--preset gpu] [--layers 2] \
+        [--steps 10] [--rounds 3]
+
+Unrolled, the MoE layer's kernels and their backward are compiled once per block (at the
+`gpu` preset's 12 blocks, minutes), so both variants run the preset with `--layers` blocks.
+Both are compiled in one process; then `rounds` rounds each time `steps` steps of one variant,
+then of the other, from the same initial state and batch. Reported per variant: the compile
+seconds, the median of the rounds' ms per step, and the first step's loss; then the scan's
+extra ms per block ((scan - unrolled) / layers) and that cost as a share of a step of the
+preset's full depth (`--full-step-ms`, the measured step of the preset, if given). Writes
+DIR/scan_cost.json and prints a summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import json
+import pathlib
+import statistics
+import time
+from unittest import mock
+
+import jax
+
+from train import data as data_lib
+from train import model as model_lib
+from train.config import PRESETS
+from train.step import Trainer
+
+VARIANTS = ("scan", "unrolled")
+
+
+def _variant(name: str):
+    """A context in which the model applies its groups as `name` says."""
+    if name == "scan":
+        return contextlib.nullcontext()
+    unrolled = functools.partial(model_lib.scan_groups, unroll=True)
+    return mock.patch.object(model_lib, "scan_groups", unrolled)
+
+
+def _compile(trainer: Trainer, name: str):
+    """(compiled step, seconds to lower and compile it) of `trainer` as variant `name`."""
+    started = time.perf_counter()
+    with _variant(name), trainer.context():
+        compiled = trainer._step.lower(*trainer._abstract_args()).compile()
+    return compiled, time.perf_counter() - started
+
+
+def _time_steps(compiled, trainer: Trainer, batch, steps: int) -> tuple[float, float]:
+    """(ms per step over `steps` steps from a fresh initial state, the first step's loss)."""
+    state = trainer.init_state()
+    state, metrics = compiled(state, *batch)
+    first_loss = float(metrics["loss"])
+    state, metrics = compiled(state, *batch)
+    jax.block_until_ready(metrics)
+    started = time.perf_counter()
+    for _ in range(steps):
+        state, metrics = compiled(state, *batch)
+    jax.block_until_ready(metrics)
+    elapsed = time.perf_counter() - started
+    del state
+    return elapsed * 1e3 / steps, first_loss
+
+
+def measure(trainers: dict[str, Trainer], steps: int, rounds: int) -> dict:
+    """Compile each variant's step (one `Trainer` each, so that neither reuses the other's
+    traced program), then time them in alternating rounds."""
+    cfg = trainers["scan"].train_cfg
+    tokens = data_lib.load_bytes("synthetic")
+    arrays = data_lib.batch_at(tokens, 0, batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=0)
+    compiled, results = {}, {}
+    for name in VARIANTS:
+        compiled[name], seconds = _compile(trainers[name], name)
+        results[name] = {"compile_s": seconds, "round_ms": []}
+    for _ in range(rounds):
+        for name in VARIANTS:
+            batch = tuple(trainers[name].place_batch(a) for a in arrays)
+            ms, loss = _time_steps(compiled[name], trainers[name], batch, steps)
+            results[name]["round_ms"].append(ms)
+            results[name]["first_loss"] = loss
+    for result in results.values():
+        result["step_ms"] = statistics.median(result["round_ms"])
+    return results
+
+
+def summarize(results: dict, layers: int, full_step_ms: float | None, full_layers: int) -> dict:
+    """The scan's extra ms per block, and its share of a full-depth step where one is given."""
+    extra_ms = (results["scan"]["step_ms"] - results["unrolled"]["step_ms"]) / layers
+    summary = {
+        "scan_over_unrolled": results["scan"]["step_ms"] / results["unrolled"]["step_ms"],
+        "scan_extra_ms_per_block": extra_ms,
+        "same_first_loss": results["scan"]["first_loss"] == results["unrolled"]["first_loss"],
+    }
+    if full_step_ms:
+        summary["share_of_full_step"] = extra_ms * full_layers / full_step_ms
+    return summary
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=pathlib.Path, required=True)
+    p.add_argument("--preset", default="gpu", choices=sorted(PRESETS))
+    p.add_argument("--layers", type=int, default=2, help="blocks of the reduced model")
+    p.add_argument("--batch-size", type=int, help="the preset's by default")
+    p.add_argument("--steps", type=int, default=10, help="timed steps a round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--full-step-ms", type=float, help="the preset's measured step, full depth")
+    args = p.parse_args(argv)
+    if args.layers < 1 or args.steps < 1 or args.rounds < 1:
+        p.error("--layers, --steps and --rounds must be at least 1")
+    preset = PRESETS[args.preset]
+    model_cfg = dataclasses.replace(preset.model, n_layers=args.layers)
+    train_cfg = preset.train
+    if args.batch_size:
+        train_cfg = dataclasses.replace(train_cfg, batch_size=args.batch_size)
+    trainers = {name: Trainer(model_cfg, train_cfg, None) for name in VARIANTS}
+    trainer = trainers["scan"]
+    results = measure(trainers, args.steps, args.rounds)
+    summary = summarize(results, args.layers, args.full_step_ms, preset.model.n_layers)
+    record = {
+        "device": jax.devices()[0].device_kind,
+        "preset": args.preset,
+        "layers": args.layers,
+        "batch_size": train_cfg.batch_size,
+        "implementation": trainer.train_cfg.implementation,
+        "remat": trainer.remat,
+        "results": results,
+        "summary": summary,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "scan_cost.json").write_text(json.dumps(record, indent=1) + "\n")
+    for name, result in results.items():
+        rounds = ", ".join(f"{ms:.2f}" for ms in result["round_ms"])
+        print(
+            f"{name}: compile {result['compile_s']:.1f} s, step {result['step_ms']:.2f} ms "
+            f"(rounds {rounds}), first loss {result['first_loss']:.6f}"
+        )
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
