@@ -103,6 +103,9 @@ STAGE_BYTES = 64 * 1024
 # program share the streaming multiprocessor's 227 KiB of shared memory.
 COPIER_BYTES = 72 * 1024
 
+# Every kernel's: Warpgroup semantics (one thread a warpgroup, as the grouped GEMM's kernels).
+_COMPILER_PARAMS = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+
 
 def stage_rows(d_model: int, itemsize: int, *, budget: int = STAGE_BYTES) -> int:
     """Rows of the copy stage [rows, D]: the largest power of two <= MAX_BOX_ROWS whose rows
@@ -430,6 +433,21 @@ def zero_rows(out_ref, dst_row, size, zeros_smem) -> None:
     plgpu.wait_smem_to_gmem(0, wait_read_only=False)
 
 
+def _zero_ranges(stages, *, first, step: int, num_zeros: int, zero) -> None:
+    """zero(z, zeros_smems) for the zero ranges z = first, first + step, ... < num_zeros, from
+    `stages` (a copier's `_Stage`s, which its copies are done with) filled with zeros and
+    committed: zeros_smems[k] is stages[k]'s (`_Stage.zeros`). The kernels' zero ranges."""
+
+    @pl.when(first < num_zeros)
+    def _zeros():
+        zeros_smems = [stage.zeros() for stage in stages]
+        plgpu.commit_smem()
+
+        @pl.loop(first, num_zeros, step=step)
+        def _zero(z):
+            zero(z, zeros_smems)
+
+
 def _send_rows_kernel(
     src_ref,
     tables_ref,
@@ -473,14 +491,10 @@ def _send_rows_kernel(
     # 2. This device's zero ranges (rows no copy lands in, disjoint from the copies' rows),
     #    range z by block z % num_blocks, from the stage filled with zeros once the block's
     #    copies are done with it (copy_piece returns after its stores completed).
-    @pl.when(block < num_zeros)
-    def _zeros():
-        zeros_smem = stage.zeros()
-        plgpu.commit_smem()
+    def zero(z, zeros_smems):
+        zero_rows(out_ref, zero_dst_ref[z], zero_size_ref[z], zeros_smems[0])
 
-        @pl.loop(block, num_zeros, step=num_blocks)
-        def _zero(z):
-            zero_rows(out_ref, zero_dst_ref[z], zero_size_ref[z], zeros_smem)
+    _zero_ranges([stage], first=block, step=num_blocks, num_zeros=num_zeros, zero=zero)
 
     # 3. The kernel returns once every counter of this device has its copies: counter c is
     #    waited for by block c % num_blocks.
@@ -541,13 +555,167 @@ def send_rows(
             if copy_stages == 1
             else plgpu.Barrier(num_arrivals=1, num_barriers=copy_stages),
         ],
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        compiler_params=_COMPILER_PARAMS,
     )(src_ad, tables)
     return like(out, src_ad)
 
 
 # ----------------------------------------------------------------------------------------------
-# The dispatch overlapped with the first expert GEMMs: one kernel (issue 7's overlap).
+# What the overlapped kernels share (the dispatch with its first GEMM, a GEMM with the return,
+# the forward of a round): one grid of copy programs and GEMM programs, launched alike.
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Overlap:
+    """An overlapped kernel's grid, static: `programs` programs ("sm", one a streaming
+    multiprocessor) of `num_wg` warpgroups ("wg": the GEMM tiles' consumers and producer).
+    Programs [0, exchange_programs) copy, each warpgroup one copier with `copy_stages` stages
+    a kind of row, to the peers along `axis_name` (to this device when `local`: an axis of
+    size 1); programs [exchange_programs, programs) run the GEMMs. The copy programs come
+    first in the grid, so they start before any GEMM program that waits for them."""
+
+    programs: int
+    exchange_programs: int
+    num_wg: int
+    axis_name: str
+    local: bool
+    copy_stages: int
+
+    @property
+    def copiers(self) -> int:
+        return self.exchange_programs * self.num_wg
+
+    def gemm_programs(self) -> dict[str, int]:
+        """`gmm_kernel.programs_body`'s programs: the GEMM programs."""
+        return {
+            "programs": self.programs - self.exchange_programs,
+            "first_program": self.exchange_programs,
+        }
+
+
+def _overlap(
+    exchange_programs: int | None, *, num_consumers: int, axis_name: str, copy_stages: int
+) -> _Overlap:
+    """The grid of an overlapped kernel whose GEMM tiles run `num_consumers` consumers, its
+    programs split by `_programs` (which raises ValueError for exchange_programs)."""
+    exchange_programs, programs = _programs(exchange_programs)
+    return _Overlap(
+        programs=programs,
+        exchange_programs=exchange_programs,
+        num_wg=num_consumers + 1,
+        axis_name=axis_name,
+        local=lax.axis_size(axis_name) == 1,
+        copy_stages=copy_stages,
+    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Rows:
+    """What a copier's stages hold: the kinds of row among the arrays it copies and each
+    array's kind (`_stage_kinds`), and each kind's stage rows (`_dispatch_boxes`)."""
+
+    kinds: tuple[tuple[int, jnp.dtype], ...]
+    kind_of: tuple[int, ...]
+    boxes: tuple[int, ...]
+
+    @classmethod
+    def of(cls, arrays) -> _Rows:
+        """The stages of a copier of `arrays` (arrays or their shapes, each [rows, C])."""
+        kinds, kind_of = _stage_kinds(tuple(arrays))
+        return cls(kinds=kinds, kind_of=kind_of, boxes=_dispatch_boxes(kinds))
+
+
+def _run_programs(overlap: _Overlap, num_counters: int, *, gemm, copy) -> None:
+    """An overlapped kernel's body: `num_counters` counters (`pl.get_global`: one set for the
+    kernel and, through the peers' copies, for every device, as in send_rows), then
+    gemm(counters) in the GEMM programs and copy(counters, copier) in each warpgroup of the
+    copy programs, copier = program * num_wg + warpgroup."""
+    program = lax.axis_index("sm")
+    counters = pl.get_global(plgpu.SemaphoreType.REGULAR((num_counters,)))
+
+    @pl.when(program >= overlap.exchange_programs)
+    def _gemm():
+        gemm(counters)
+
+    @pl.when(program < overlap.exchange_programs)
+    def _copy():
+        copy(counters, program * overlap.num_wg + lax.axis_index("wg"))
+
+
+def _with_copier_stages(body, rows: _Rows, overlap: _Overlap) -> None:
+    """Runs body(stages) in this warpgroup, one copier: `stages` its `_Stage`s, one a kind of
+    row (`rows`: arrays of one kind share it, each copy waiting for its stores), on barriers
+    of their own. Call it in every warpgroup of a copy program."""
+    num_wg, copy_stages = overlap.num_wg, overlap.copy_stages
+
+    def scope(*scoped):
+        *kind_stages, loaded = scoped
+        wg = lax.axis_index("wg")
+        body([_copier(smem, loaded, wg, copy_stages) for smem in kind_stages])
+
+    pl.run_scoped(
+        scope,
+        *(_stage_smem((num_wg,), box, width, dtype, copy_stages)
+          for box, (width, dtype) in zip(rows.boxes, rows.kinds, strict=True)),
+        plgpu.Barrier(num_arrivals=1, num_barriers=num_wg * copy_stages),
+        collective_axes="wg",
+    )  # fmt: skip
+
+
+def _launch(kernel, overlap: _Overlap, out_types: tuple[jax.ShapeDtypeStruct, ...], *operands):
+    """The outputs of the overlapped `kernel` (a body taking refs of `operands`, then of
+    `out_types`) on `overlap`'s grid."""
+    return plgpu.kernel(
+        kernel,
+        out_type=out_types,
+        grid=(overlap.programs,),
+        grid_names=("sm",),
+        num_threads=overlap.num_wg,
+        thread_name="wg",
+        compiler_params=_COMPILER_PARAMS,
+    )(*operands)
+
+
+def _kernel_rows(rows: int, block_m: int) -> int:
+    """The rows of a GEMM operand or output of `rows` rows in an overlapped kernel: the GEMM's
+    row tiles load whole 8-row tiles, and a tile's box may not be taller than the array, so
+    whole 8-row tiles and at least block_m rows (rows past `rows`: stored by no tile, sliced
+    off)."""
+    return max(pl.cdiv(rows, 8) * 8, block_m)
+
+
+def _gemm_config(
+    gemm: gmm_kernel.ProgramsGemm, *, k: int, n: int, dtype, out_dtype, num_rhs: int
+) -> tuning.TileConfig:
+    """The tiles `gmm_kernel.programs_body` runs `gemm` with, K = k, N = n, `dtype` inputs and
+    `out_dtype` outputs (num_rhs rhs tiles a stage), checked (`gmm_kernel.check_config`)."""
+    config = gmm_kernel.programs_config(gemm, n=n, dtype=dtype)
+    gmm_kernel.check_config(
+        config, k=k, n=n, itemsize=jnp.dtype(dtype).itemsize,
+        out_itemsize=jnp.dtype(out_dtype).itemsize, num_rhs=num_rhs,
+    )  # fmt: skip
+    return config
+
+
+def _check_dispatch(moves: Moves, *, tile: int, out_rows: int) -> int:
+    """Checks an overlapped dispatch's tables (one counter a buffer tile of `tile` rows, the
+    tiles covering out_rows) and returns its counters."""
+    moves.check()
+    num_tiles = moves.arrivals_c.shape[0]
+    if num_tiles * tile != out_rows:
+        raise ValueError(f"{num_tiles} counters of {tile} rows must cover out_rows={out_rows}")
+    return num_tiles
+
+
+def _check_return(back: Moves) -> None:
+    """Checks an overlapped return's tables: the rows back count on one counter."""
+    back.check()
+    if back.arrivals_c.shape != (1,):
+        raise ValueError(f"the return counts on one counter, got arrivals {back.arrivals_c.shape}")
+
+
+# ----------------------------------------------------------------------------------------------
+# The dispatch overlapped with the first expert GEMMs: one kernel.
 
 
 def _wait_tiles(counters, wait_ref, tile: int, first, end) -> None:
@@ -562,27 +730,8 @@ def _wait_tiles(counters, wait_ref, tile: int, first, end) -> None:
     _async_proxy_fence()  # invariant 6: before the tile's bulk loads
 
 
-def _with_copier_stages(body, *, kinds, boxes, num_wg: int, copy_stages: int) -> None:
-    """Runs body(stages) in this warpgroup, one copier: `stages` its `_Stage`s, one a kind of
-    row (`_stage_kinds`: arrays of one kind share it, each copy waiting for its stores), on
-    barriers of their own. Call it in every warpgroup of a copy program."""
-
-    def scope(*scoped):
-        *kind_stages, loaded = scoped
-        wg = lax.axis_index("wg")
-        body([_copier(smem, loaded, wg, copy_stages) for smem in kind_stages])
-
-    pl.run_scoped(
-        scope,
-        *(_stage_smem((num_wg,), box, width, dtype, copy_stages)
-          for box, (width, dtype) in zip(boxes, kinds, strict=True)),
-        plgpu.Barrier(num_arrivals=1, num_barriers=num_wg * copy_stages),
-        collective_axes="wg",
-    )  # fmt: skip
-
-
-def _dispatch_copies(stages, srcs, dsts, kind_of, tables, counters, *, copier, copiers: int,
-                     num_zeros: int, axis_name: str, local: bool) -> None:  # fmt: skip
+def _dispatch_copies(stages, srcs, dsts, kind_of, tables, counters, *, copier,
+                     overlap: _Overlap, num_zeros: int) -> None:  # fmt: skip
     """O3, one copier's part of the dispatch: the zero ranges that count on tiles first (the
     padding inside the groups, which the GEMMs wait for), then the round's copies, then the
     other zero ranges (the first slots past the groups), copier i taking ranges and copies i,
@@ -593,29 +742,26 @@ def _dispatch_copies(stages, srcs, dsts, kind_of, tables, counters, *, copier, c
     (src_p_ref, dst_p_ref, size_p_ref, peer_p_ref, round_p_ref, counter_p_ref, count_ref, _,
      zero_dst_ref, zero_size_ref, zero_first_ref, zero_end_ref, round_ref) = tables  # fmt: skip
     round_index = round_ref[0]
+    copiers, local = overlap.copiers, overlap.local
 
     def zeros(signalled: bool):
         """The copier's zero ranges that count on tiles (`signalled`) or the others."""
 
-        @pl.when(copier < num_zeros)
-        def _zeros():
-            zeros_smems = [stage.zeros() for stage in stages]
-            plgpu.commit_smem()
+        def zero(z, zeros_smems):
+            first, end = zero_first_ref[z], zero_end_ref[z]
+            dst, size = zero_dst_ref[z], zero_size_ref[z]
 
-            @pl.loop(copier, num_zeros, step=copiers)
-            def _zero(z):
-                first, end = zero_first_ref[z], zero_end_ref[z]
-                dst, size = zero_dst_ref[z], zero_size_ref[z]
+            @pl.when((end > first) == signalled)
+            def _range():
+                for out_ref, kind in zip(dsts, kind_of, strict=True):
+                    zero_rows(out_ref, dst, size, zeros_smems[kind])
 
-                @pl.when((end > first) == signalled)
-                def _range():
-                    for out_ref, kind in zip(dsts, kind_of, strict=True):
-                        zero_rows(out_ref, dst, size, zeros_smems[kind])
+                # The range's tiles that a GEMM tile reads for its stored rows.
+                @pl.loop(first, end)
+                def _count(c):
+                    _signal(counters.at[c])
 
-                    # The range's tiles that a GEMM tile reads for its stored rows.
-                    @pl.loop(first, end)
-                    def _count(c):
-                        _signal(counters.at[c])
+        _zero_ranges(stages, first=copier, step=copiers, num_zeros=num_zeros, zero=zero)
 
     zeros(signalled=True)
 
@@ -623,7 +769,7 @@ def _dispatch_copies(stages, srcs, dsts, kind_of, tables, counters, *, copier, c
     def _copy_piece(p):
         @pl.when(round_p_ref[p] == round_index)
         def _send():
-            peer = {axis_name: peer_p_ref[p]}
+            peer = {overlap.axis_name: peer_p_ref[p]}
             rows = (src_p_ref[p], dst_p_ref[p], size_p_ref[p])
             for src, dst, kind in zip(srcs, dsts, kind_of, strict=True):
                 dst = dst if local else plgpu.remote_ref(dst, peer)
@@ -646,18 +792,12 @@ def _dispatch_gemm_kernel(
     gemm: gmm_kernel.ProgramsGemm,
     packed: _Packed,
     config,
-    gemm_programs: int,
-    exchange_programs: int,
+    overlap: _Overlap,
+    rows: _Rows,
     num_sides: int,
-    kinds: tuple[tuple[int, jnp.dtype], ...],
-    kind_of: tuple[int, ...],
-    boxes: tuple[int, ...],
     tile: int,
     num_counters: int,
     num_zeros: int,
-    axis_name: str,
-    local: bool,
-    copy_stages: int,
 ):
     # The sides, the tables, the GEMM's weights, then the outputs: the buffer, the sides'
     # rows, the GEMM's.
@@ -668,46 +808,35 @@ def _dispatch_gemm_kernel(
     tables = packed.views(tables_ref, *_DISPATCH_TABLES)
     wait_ref = tables[_DISPATCH_TABLES.index("arrivals_c")]
     srcs, dsts = (src_ref, *side_refs), (buffer_ref, *side_out_refs)
-    program = lax.axis_index("sm")
-    # O1. One counter a buffer tile, for the whole kernel and every device (as in send_rows):
-    #     the copies into the tile and the zero ranges in it count there.
-    counters = pl.get_global(plgpu.SemaphoreType.REGULAR((num_counters,)))
 
-    # O2. Programs [exchange_programs, exchange_programs + gemm_programs) run the GEMM's tiles
-    #     on the buffer (gmm_swiglu's, or the transposed gmm's), each tile once the rows it stores
-    #     are in place (the grouped GEMM's invariant 11). Every row before the groups' end is
-    #     stored by some tile, so every tile that counts a copy or a zero range is waited for
-    #     before the kernel returns: the buffer is complete.
-    @pl.when(program >= exchange_programs)
-    def _gemm():
+    # O1. One counter a buffer tile, for the whole kernel and every device (`_run_programs`,
+    #     as in send_rows): the copies into the tile and the zero ranges in it count there.
+
+    # O2. Programs [exchange_programs, programs) run the GEMM's tiles on the buffer
+    #     (gmm_swiglu's, or the transposed gmm's), each tile once the rows it stores are in
+    #     place (the grouped GEMM's invariant 11). Every row before the groups' end is stored
+    #     by some tile, so every tile that counts a copy or a zero range is waited for before
+    #     the kernel returns: the buffer is complete.
+    def run_gemm(counters):
         gmm_kernel.programs_body(
-            gemm,
-            schedule_ref,
-            buffer_ref,
-            *weight_refs,
-            gemm_out_ref,
-            config=config,
-            programs=gemm_programs,
-            first_program=exchange_programs,
+            gemm, schedule_ref, buffer_ref, *weight_refs, gemm_out_ref, config=config,
             before_tile=lambda mi, first, end: _wait_tiles(counters, wait_ref, tile, first, end),
-        )
+            **overlap.gemm_programs(),
+        )  # fmt: skip
 
     # O3. Programs [0, exchange_programs) copy, each of their warpgroups one copier with its own
     #     stages (`_dispatch_copies`). The copy programs come first in the grid, so they start
     #     before any GEMM program that waits for them.
-    num_wg = config.num_consumers + 1
-
-    @pl.when(program < exchange_programs)
-    def _copy():
-        copier = program * num_wg + lax.axis_index("wg")
+    def copy(counters, copier):
         _with_copier_stages(
             lambda stages: _dispatch_copies(
-                stages, srcs, dsts, kind_of, tables, counters, copier=copier,
-                copiers=exchange_programs * num_wg, num_zeros=num_zeros, axis_name=axis_name,
-                local=local,
+                stages, srcs, dsts, rows.kind_of, tables, counters, copier=copier,
+                overlap=overlap, num_zeros=num_zeros,
             ),
-            kinds=kinds, boxes=boxes, num_wg=num_wg, copy_stages=copy_stages,
+            rows, overlap,
         )  # fmt: skip
+
+    _run_programs(overlap, num_counters, gemm=run_gemm, copy=copy)
 
 
 def _zero_signals(moves: Moves, groups_end: Array, tile: int, num_counters: int):
@@ -725,6 +854,20 @@ def _zero_signals(moves: Moves, groups_end: Array, tile: int, num_counters: int)
     covers_zc = (first_z[:, None] <= tile_c) & (tile_c < last_z[:, None])
     wait_c = moves.arrivals_c + jnp.sum(covers_zc, axis=0, dtype=jnp.int32)
     return first_z, last_z, wait_c
+
+
+def _dispatch_waits(
+    moves: Moves, group_sizes_g: Array, *, tile: int, out_rows: int, block_m: int
+) -> tuple[Array, dict[str, Array]]:
+    """The GEMM's schedule on the dispatch's buffer (`gmm_kernel.schedule_table`, row tiles of
+    block_m) and the dispatch's tables beyond its moves' (`_DISPATCH_TABLES`): the count each
+    buffer tile's counter waits for, and each zero range's tiles (`_zero_signals`)."""
+    groups_end = jnp.sum(group_sizes_g, dtype=jnp.int32)
+    num_tiles = moves.arrivals_c.shape[0]
+    zero_first_z, zero_end_z, wait_c = _zero_signals(moves, groups_end, tile, num_tiles)
+    schedule_t4 = gmm_kernel.schedule_table(group_sizes_g, num_rows=out_rows, tile_m=block_m)
+    return schedule_t4, {"arrivals_c": wait_c, "zero_first_z": zero_first_z,
+                         "zero_end_z": zero_end_z}  # fmt: skip
 
 
 def dispatch_swiglu(
@@ -819,9 +962,9 @@ def _dispatch_gemm(
     """`dispatch_swiglu` and `dispatch_down_grad`: the dispatch (of src and its sides) and
     `gemm` on the buffer in one kernel (O1-O3). The weights are [G, D, N] ("swiglu") or
     [G, N, D] ("transposed")."""
-    moves.check()
+    num_counters = _check_dispatch(moves, tile=tile, out_rows=out_rows)
     _check_copy_stages(copy_stages)
-    gmm_kernel._check_inputs(src_ad, weights, group_sizes_g, weight_names)
+    gmm_kernel.check_inputs(src_ad, weights, group_sizes_g, weight_names)
     d_model = src_ad.shape[1]
     transposed = gemm == "transposed"
     k_axis, n = (2, weights[0].shape[1]) if transposed else (1, weights[0].shape[2])
@@ -829,74 +972,44 @@ def _dispatch_gemm(
         raise ValueError(
             f"the rows' D={d_model} must equal {weight_names[0]}'s (shape {weights[0].shape})"
         )
-    num_counters = moves.arrivals_c.shape[0]
-    if num_counters * tile != out_rows:
-        raise ValueError(f"{num_counters} counters of {tile} rows must cover out_rows={out_rows}")
-    config = gmm_kernel.programs_config(gemm, n=n, dtype=src_ad.dtype)
-    itemsize = jnp.dtype(src_ad.dtype).itemsize
     out_dtype = src_ad.dtype if gemm == "swiglu" else jnp.float32
-    gmm_kernel._check_config(
-        config, k=d_model, n=n, itemsize=itemsize, out_itemsize=jnp.dtype(out_dtype).itemsize,
-        nr=len(weights),
-    )  # fmt: skip
-    exchange_programs, programs = _programs(exchange_programs)
-    # The GEMM's row tiles load whole 8-row tiles of the buffer, and a tile's box may not be
-    # taller than the buffer: the kernel's buffer has at least block_m rows, a multiple of 8
-    # (rows past out_rows: neither filled nor stored, sliced off).
-    kernel_rows = max(pl.cdiv(out_rows, 8) * 8, config.block_m)
-    kinds, kind_of = _stage_kinds((src_ad, *sides))
-    boxes = _dispatch_boxes(kinds)
-    groups_end = jnp.sum(group_sizes_g, dtype=jnp.int32)
-    zero_first_z, zero_end_z, wait_c = _zero_signals(moves, groups_end, tile, num_counters)
-    schedule_t4 = gmm_kernel.schedule_table(group_sizes_g, num_rows=out_rows, tile_m=config.block_m)
-    named = _moves_tables(moves, round_index)
-    named |= {"arrivals_c": wait_c, "zero_first_z": zero_first_z, "zero_end_z": zero_end_z}
-    tables, packed = _pack(named, counters=num_counters)
+    config = _gemm_config(gemm, k=d_model, n=n, dtype=src_ad.dtype, out_dtype=out_dtype,
+                          num_rhs=len(weights))  # fmt: skip
+    overlap = _overlap(exchange_programs, num_consumers=config.num_consumers,
+                       axis_name=axis_name, copy_stages=copy_stages)  # fmt: skip
+    kernel_rows = _kernel_rows(out_rows, config.block_m)
+    schedule_t4, waits = _dispatch_waits(moves, group_sizes_g, tile=tile, out_rows=out_rows,
+                                         block_m=config.block_m)  # fmt: skip
+    tables, packed = _pack(_moves_tables(moves, round_index) | waits, counters=num_counters)
     kernel = functools.partial(
         _dispatch_gemm_kernel,
         gemm=gemm,
         packed=packed,
         config=config,
-        gemm_programs=programs - exchange_programs,
-        exchange_programs=exchange_programs,
+        overlap=overlap,
+        rows=_Rows.of((src_ad, *sides)),
         num_sides=len(sides),
-        kinds=kinds,
-        kind_of=kind_of,
-        boxes=boxes,
         tile=tile,
         num_counters=num_counters,
         num_zeros=moves.zero_dst_z.shape[0],
-        axis_name=axis_name,
-        local=lax.axis_size(axis_name) == 1,
-        copy_stages=copy_stages,
     )
     out_types = (
         jax.ShapeDtypeStruct((kernel_rows, d_model), src_ad.dtype),
         *(jax.ShapeDtypeStruct((kernel_rows, side.shape[1]), side.dtype) for side in sides),
         jax.ShapeDtypeStruct((kernel_rows, n), out_dtype),
     )
-    outs = plgpu.kernel(
-        kernel,
-        out_type=out_types,
-        grid=(programs,),
-        grid_names=("sm",),
-        num_threads=config.num_consumers + 1,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )(schedule_t4, src_ad, *sides, tables, *weights)
-    outs = tuple(out[:out_rows] if kernel_rows != out_rows else out for out in outs)
-    buffer, *sides_out, out = outs
+    outs = _launch(kernel, overlap, out_types, schedule_t4, src_ad, *sides, tables, *weights)
+    buffer, *sides_out, out = (a[:out_rows] for a in outs)
     sides_out = tuple(like(a, side) for a, side in zip(sides_out, sides, strict=True))
     return like(buffer, src_ad), sides_out, like(out, src_ad)
 
 
 # ----------------------------------------------------------------------------------------------
-# The down projection overlapped with the return: one kernel (issue 7's overlap, the way back).
+# The down projection overlapped with the return: one kernel (the way back).
 
 
 def _return_copies(stages, srcs, dsts, kind_of, tables, tile_counter, arrived, *, copier,
-                   copiers: int, tile_signals: int, num_zeros: int, axis_name: str,
-                   local: bool) -> None:  # fmt: skip
+                   overlap: _Overlap, tile_signals: int, num_zeros: int) -> None:  # fmt: skip
     """R3, one copier's part of the return: piece p (copier p % copiers) waits until every row
     tile storing its rows (tile_counter(t), t in [first_p, end_p)) has counted its
     `tile_signals`, copies its rows of every array of `srcs` to its source's rows (`dsts`,
@@ -907,6 +1020,7 @@ def _return_copies(stages, srcs, dsts, kind_of, tables, tile_counter, arrived, *
     (src_p_ref, dst_p_ref, size_p_ref, peer_p_ref, round_p_ref, count_ref, arrivals_ref,
      zero_dst_ref, zero_size_ref, round_ref, first_p_ref, end_p_ref) = tables  # fmt: skip
     round_index = round_ref[0]
+    copiers, local = overlap.copiers, overlap.local
 
     @pl.loop(copier, count_ref[0], step=copiers)
     def _copy_piece(p):
@@ -918,21 +1032,17 @@ def _return_copies(stages, srcs, dsts, kind_of, tables, tile_counter, arrived, *
 
             _async_proxy_fence()  # invariant 6: before the piece's bulk loads
 
-            peer = {axis_name: peer_p_ref[p]}
+            peer = {overlap.axis_name: peer_p_ref[p]}
             for src, dst, kind in zip(srcs, dsts, kind_of, strict=True):
                 dst = dst if local else plgpu.remote_ref(dst, peer)
                 stages[kind].copy(src, dst, src_p_ref[p], dst_p_ref[p], size_p_ref[p])
             _signal(arrived, None if local else peer)
 
-    @pl.when(copier < num_zeros)
-    def _zeros():
-        zeros_smems = [stage.zeros() for stage in stages]
-        plgpu.commit_smem()
+    def zero(z, zeros_smems):
+        for dst, kind in zip(dsts, kind_of, strict=True):
+            zero_rows(dst, zero_dst_ref[z], zero_size_ref[z], zeros_smems[kind])
 
-        @pl.loop(copier, num_zeros, step=copiers)
-        def _zero(z):
-            for dst, kind in zip(dsts, kind_of, strict=True):
-                zero_rows(dst, zero_dst_ref[z], zero_size_ref[z], zeros_smems[kind])
+    _zero_ranges(stages, first=copier, step=copiers, num_zeros=num_zeros, zero=zero)
 
     @pl.when(copier == 0)
     def _arrivals():
@@ -950,18 +1060,12 @@ def _gemm_return_kernel(
     gemm: gmm_kernel.ProgramsGemm,
     packed: _Packed,
     config,
-    gemm_programs: int,
-    exchange_programs: int,
+    overlap: _Overlap,
+    rows: _Rows,
     num_sides: int,
-    kinds: tuple[tuple[int, jnp.dtype], ...],
-    kind_of: tuple[int, ...],
-    boxes: tuple[int, ...],
     tile_signals: int,
     num_row_tiles: int,
     num_zeros: int,
-    axis_name: str,
-    local: bool,
-    copy_stages: int,
 ):
     # The GEMM's other operands (weights, row scale), the sides, the tables, then the GEMM's
     # output y, the rows back and the sides' rows back.
@@ -970,48 +1074,36 @@ def _gemm_return_kernel(
     tables_ref, y_ref, out_ref, *side_out_refs = refs[num_gemm + num_sides :]
     srcs, dsts = (y_ref, *side_refs), (out_ref, *side_out_refs)
     tables = packed.views(tables_ref, *_RETURN_TABLES)
-    program = lax.axis_index("sm")
+
     # R1. One counter a row tile of the GEMM's schedule, counting this device's own stores
     #     (its consumers signal, invariant 12 of the grouped GEMM), then one counter for the
     #     return's arrivals: every peer's copies to this device count there. One set for the
-    #     kernel and every device (as in send_rows).
-    counters = pl.get_global(plgpu.SemaphoreType.REGULAR((num_row_tiles + 1,)))
+    #     kernel and every device (`_run_programs`, as in send_rows).
 
-    # R2. Programs [exchange_programs, exchange_programs + gemm_programs) run the GEMM's tiles (y =
-    #     (h @ w_down[g]) * scale in f32, or the input gradient [d_gate | d_up] @ [w_gate |
-    #     w_up][g].T), each consumer signalling its row tile once its stores of a tile have
-    #     completed. They wait for nothing.
-    @pl.when(program >= exchange_programs)
-    def _gemm():
+    # R2. Programs [exchange_programs, programs) run the GEMM's tiles (y = (h @ w_down[g]) *
+    #     scale in f32, or the input gradient [d_gate | d_up] @ [w_gate | w_up][g].T), each
+    #     consumer signalling its row tile once its stores of a tile have completed. They
+    #     wait for nothing.
+    def run_gemm(counters):
         gmm_kernel.programs_body(
-            gemm,
-            schedule_ref,
-            lhs_ref,
-            *gemm_refs,
-            y_ref,
-            config=config,
-            programs=gemm_programs,
-            first_program=exchange_programs,
-            after_tile=lambda mi: _signal(counters.at[mi]),
-        )
+            gemm, schedule_ref, lhs_ref, *gemm_refs, y_ref, config=config,
+            after_tile=lambda mi: _signal(counters.at[mi]), **overlap.gemm_programs(),
+        )  # fmt: skip
 
     # R3. Programs [0, exchange_programs) copy, each warpgroup one copier (`_return_copies`). A
     #     copier waits only for this device's GEMM tiles, which wait for nothing, and for the
     #     peers' copiers, which do the same: no cycle.
-    num_wg = config.num_consumers + 1
-
-    @pl.when(program < exchange_programs)
-    def _copy():
-        copier = program * num_wg + lax.axis_index("wg")
+    def copy(counters, copier):
         _with_copier_stages(
             lambda stages: _return_copies(
-                stages, srcs, dsts, kind_of, tables, lambda t: counters.at[t],
-                counters.at[num_row_tiles], copier=copier, copiers=exchange_programs * num_wg,
-                tile_signals=tile_signals, num_zeros=num_zeros, axis_name=axis_name,
-                local=local,
+                stages, srcs, dsts, rows.kind_of, tables, lambda t: counters.at[t],
+                counters.at[num_row_tiles], copier=copier, overlap=overlap,
+                tile_signals=tile_signals, num_zeros=num_zeros,
             ),
-            kinds=kinds, boxes=boxes, num_wg=num_wg, copy_stages=copy_stages,
+            rows, overlap,
         )  # fmt: skip
+
+    _run_programs(overlap, num_row_tiles + 1, gemm=run_gemm, copy=copy)
 
 
 def _row_tile_waits(moves: Moves, schedule_t4: Array) -> tuple[Array, Array]:
@@ -1130,27 +1222,21 @@ def _gemm_return(
 ) -> tuple[Array, Array, tuple[Array, ...]]:
     """`down_return` ("scaled", with scale_s) and `dgrad_return` ("dgrad"): `gemm` (N = n) on
     lhs and the return of its output, with the sides' rows, in one kernel (R1-R3)."""
-    back.check()
+    _check_return(back)
     _check_copy_stages(copy_stages)
     num_slots = lhs_sk.shape[0]
-    if back.arrivals_c.shape != (1,):
-        raise ValueError(f"the return counts on one counter, got arrivals {back.arrivals_c.shape}")
-    gmm_kernel._check_inputs(lhs_sk, weights, group_sizes_g, weight_names)
-    config = gmm_kernel.programs_config(gemm, n=n, dtype=lhs_sk.dtype)
-    itemsize = jnp.dtype(lhs_sk.dtype).itemsize
+    gmm_kernel.check_inputs(lhs_sk, weights, group_sizes_g, weight_names)
     out_dtype = jnp.dtype(jnp.float32 if gemm == "scaled" else lhs_sk.dtype)
-    gmm_kernel._check_config(
-        config, k=lhs_sk.shape[1], n=n, itemsize=itemsize, out_itemsize=out_dtype.itemsize, nr=1
-    )
+    config = _gemm_config(gemm, k=lhs_sk.shape[1], n=n, dtype=lhs_sk.dtype, out_dtype=out_dtype,
+                          num_rhs=1)  # fmt: skip
     part_k = lhs_sk.shape[1] // len(weights)
     if part_k % config.block_k:
         raise ValueError(f"each rhs part's K={part_k} must be a multiple of {config.block_k}")
-    exchange_programs, programs = _programs(exchange_programs)
-    # As in the dispatch: whole 8-row tiles, at least block_m rows (rows past S: zeros in lhs,
-    # stored by no tile, sliced off); a row scale is read for whole tiles.
-    kernel_rows = max(pl.cdiv(num_slots, 8) * 8, config.block_m)
+    overlap = _overlap(exchange_programs, num_consumers=config.num_consumers,
+                       axis_name=axis_name, copy_stages=copy_stages)  # fmt: skip
+    # As in the dispatch (rows past S: zeros in lhs); a row scale is read for whole tiles.
+    kernel_rows = _kernel_rows(num_slots, config.block_m)
     y_type = jax.ShapeDtypeStruct((kernel_rows, n), out_dtype)
-    kinds, kind_of = _stage_kinds((y_type, *sides))
     if kernel_rows != num_slots:
         lhs_sk = jnp.pad(lhs_sk, ((0, kernel_rows - num_slots), (0, 0)))
     operands = weights
@@ -1167,36 +1253,23 @@ def _gemm_return(
         gemm=gemm,
         packed=packed,
         config=config,
-        gemm_programs=programs - exchange_programs,
-        exchange_programs=exchange_programs,
+        overlap=overlap,
+        rows=_Rows.of((y_type, *sides)),
         num_sides=len(sides),
-        kinds=kinds,
-        kind_of=kind_of,
-        boxes=_dispatch_boxes(kinds),
         tile_signals=(n // config.block_n) * config.num_consumers,
         num_row_tiles=schedule_t4.shape[0],
         num_zeros=back.zero_dst_z.shape[0],
-        axis_name=axis_name,
-        local=lax.axis_size(axis_name) == 1,
-        copy_stages=copy_stages,
     )
     out_types = (
         y_type,
         jax.ShapeDtypeStruct((out_rows, n), out_dtype),
         *(jax.ShapeDtypeStruct((out_rows, side.shape[1]), side.dtype) for side in sides),
     )
-    y, out, *sides_out = plgpu.kernel(
-        kernel,
-        out_type=out_types,
-        grid=(programs,),
-        grid_names=("sm",),
-        num_threads=config.num_consumers + 1,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )(schedule_t4, lhs_sk, *operands, *sides, tables)
-    y = y[:num_slots] if kernel_rows != num_slots else y
+    y, out, *sides_out = _launch(
+        kernel, overlap, out_types, schedule_t4, lhs_sk, *operands, *sides, tables
+    )
     sides_out = tuple(like(a, side) for a, side in zip(sides_out, sides, strict=True))
-    return like(y, lhs_sk), like(out, lhs_sk), sides_out
+    return like(y[:num_slots], lhs_sk), like(out, lhs_sk), sides_out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1220,12 +1293,9 @@ def _forward_kernel(
     packed: _Packed,
     swiglu_config,
     down_config,
-    gemm_programs: int,
-    exchange_programs: int,
-    kinds: tuple[tuple[int, jnp.dtype], ...],
-    kind_of: tuple[int, ...],
-    boxes: tuple[int, ...],
-    return_box: int,
+    overlap: _Overlap,
+    dispatch_rows: _Rows,
+    return_rows: _Rows,
     tile: int,
     num_tiles: int,
     num_row_tiles: int,
@@ -1233,88 +1303,79 @@ def _forward_kernel(
     y_signals: int,
     num_zeros: int,
     num_return_zeros: int,
-    axis_name: str,
-    local: bool,
-    copy_stages: int,
 ):
     dispatch = packed.views(tables_ref, *_DISPATCH_TABLES)
     back = packed.views(tables_ref, *(f"back_{name}" for name in _RETURN_TABLES))
     wait_ref = dispatch[_DISPATCH_TABLES.index("arrivals_c")]
-    program = lax.axis_index("sm")
-    # F1. One set of counters for the kernel and every device (as in send_rows): a counter a
-    #     buffer tile (the dispatch's copies and zero ranges into it, O1), a counter a row
-    #     tile of h (the gate/up tiles' stores of it, the grouped GEMM's invariant 12), a
-    #     counter a row tile of y (the down tiles' stores), then the return's arrivals. The
-    #     two GEMMs share one schedule (the same block_m), so a row tile is the same rows in
-    #     both.
-    counters = pl.get_global(plgpu.SemaphoreType.REGULAR((num_tiles + 2 * num_row_tiles + 1,)))
+    # F1. One set of counters for the kernel and every device (`_run_programs`, as in
+    #     send_rows): a counter a buffer tile (the dispatch's copies and zero ranges into it,
+    #     O1), a counter a row tile of h (the gate/up tiles' stores of it, the grouped GEMM's
+    #     invariant 12), a counter a row tile of y (the down tiles' stores), then the return's
+    #     arrivals. The two GEMMs share one schedule (the same block_m), so a row tile is the
+    #     same rows in both.
+    num_counters = num_tiles + 2 * num_row_tiles + 1
 
-    def h_counter(mi):
+    def h_counter(counters, mi):
         return counters.at[num_tiles + mi]
 
-    def y_counter(mi):
+    def y_counter(counters, mi):
         return counters.at[num_tiles + num_row_tiles + mi]
 
-    def wait_h(mi, first, end):
-        """The down tile's h rows [first, end) are stored: every gate/up tile of row tile mi
-        has signalled from every consumer (h_signals)."""
-        del first, end
-        pl.semaphore_wait(h_counter(mi), h_signals, decrement=False)
-        _async_proxy_fence()  # invariant 6: before the tile's bulk loads of h
-
-    # F2. Programs [exchange_programs, exchange_programs + gemm_programs) run every gate/up tile of
-    #     theirs (O2: each once its buffer rows are in; each consumer signals the tile's row
-    #     of h once its stores completed), then every down tile of theirs, each once its row
-    #     tile of h has every signal (the producer) and once the routing weights of its rows
-    #     are in (each consumer, before it loads them: the grouped GEMM's invariant 13); each
-    #     consumer signals the tile's row of y once its stores completed. A down tile waits
-    #     for gate/up tiles, which every GEMM program runs before any down tile, and which
-    #     wait only for the copies: no cycle, all programs being resident (one a streaming
+    # F2. Programs [exchange_programs, programs) run every gate/up tile of theirs (O2: each
+    #     once its buffer rows are in; each consumer signals the tile's row of h once its
+    #     stores completed), then every down tile of theirs, each once its row tile of h has
+    #     every signal (the producer) and once the routing weights of its rows are in (each
+    #     consumer, before it loads them: the grouped GEMM's invariant 13); each consumer
+    #     signals the tile's row of y once its stores completed. A down tile waits for
+    #     gate/up tiles, which every GEMM program runs before any down tile, and which wait
+    #     only for the copies: no cycle, all programs being resident (one a streaming
     #     multiprocessor).
-    @pl.when(program >= exchange_programs)
-    def _gemm():
+    def run_gemm(counters):
+        def wait_h(mi, first, end):
+            """The down tile's h rows [first, end) are stored: every gate/up tile of row tile
+            mi has signalled from every consumer (h_signals)."""
+            del first, end
+            pl.semaphore_wait(h_counter(counters, mi), h_signals, decrement=False)
+            _async_proxy_fence()  # invariant 6: before the tile's bulk loads of h
+
         wait_rows = functools.partial(_wait_tiles, counters, wait_ref, tile)
-        common = dict(programs=gemm_programs, first_program=exchange_programs)
         gmm_kernel.programs_body(
             "swiglu", schedule_ref, buffer_ref, w_gate_ref, w_up_ref, h_ref,
             config=swiglu_config, before_tile=lambda mi, first, end: wait_rows(first, end),
-            after_tile=lambda mi: _signal(h_counter(mi)), **common,
+            after_tile=lambda mi: _signal(h_counter(counters, mi)), **overlap.gemm_programs(),
         )  # fmt: skip
         gmm_kernel.programs_body(
             "scaled", schedule_ref, h_ref, w_down_ref, side_out_ref.at[:, 0], y_ref,
             config=down_config, before_tile=wait_h, before_scale=wait_rows,
-            after_tile=lambda mi: _signal(y_counter(mi)), set_registers=False, **common,
+            after_tile=lambda mi: _signal(y_counter(counters, mi)), set_registers=False,
+            **overlap.gemm_programs(),
         )  # fmt: skip
 
-    # F3. Programs [0, exchange_programs) copy, each warpgroup one copier: the dispatch of the rows
-    #     and their weights (`_dispatch_copies`), then the return of y (`_return_copies`, each
-    #     piece once the row tiles of y storing it have every signal). A copier's dispatch
-    #     waits for nothing; its return waits for this device's down tiles and the peers'
-    #     copiers, which wait for the dispatch of every device, which all copiers run first.
-    num_wg = swiglu_config.num_consumers + 1
-    copiers = exchange_programs * num_wg
-
-    @pl.when(program < exchange_programs)
-    def _copy():
-        copier = program * num_wg + lax.axis_index("wg")
+    # F3. Programs [0, exchange_programs) copy, each warpgroup one copier: the dispatch of the
+    #     rows and their weights (`_dispatch_copies`), then the return of y (`_return_copies`,
+    #     each piece once the row tiles of y storing it have every signal). A copier's
+    #     dispatch waits for nothing; its return waits for this device's down tiles and the
+    #     peers' copiers, which wait for the dispatch of every device, which all copiers run
+    #     first.
+    def copy(counters, copier):
         _with_copier_stages(
             lambda stages: _dispatch_copies(
-                stages, (src_ref, side_ref), (buffer_ref, side_out_ref), kind_of, dispatch,
-                counters, copier=copier, copiers=copiers, num_zeros=num_zeros,
-                axis_name=axis_name, local=local,
+                stages, (src_ref, side_ref), (buffer_ref, side_out_ref), dispatch_rows.kind_of,
+                dispatch, counters, copier=copier, overlap=overlap, num_zeros=num_zeros,
             ),
-            kinds=kinds, boxes=boxes, num_wg=num_wg, copy_stages=copy_stages,
+            dispatch_rows, overlap,
         )  # fmt: skip
         _with_copier_stages(
             lambda stages: _return_copies(
-                stages, (y_ref,), (out_ref,), (0,), back, y_counter,
-                counters.at[num_tiles + 2 * num_row_tiles], copier=copier, copiers=copiers,
-                tile_signals=y_signals, num_zeros=num_return_zeros, axis_name=axis_name,
-                local=local,
+                stages, (y_ref,), (out_ref,), return_rows.kind_of, back,
+                functools.partial(y_counter, counters), counters.at[num_counters - 1],
+                copier=copier, overlap=overlap, tile_signals=y_signals,
+                num_zeros=num_return_zeros,
             ),
-            kinds=((y_ref.shape[1], jnp.dtype(y_ref.dtype)),), boxes=(return_box,),
-            num_wg=num_wg, copy_stages=copy_stages,
+            return_rows, overlap,
         )  # fmt: skip
+
+    _run_programs(overlap, num_counters, gemm=run_gemm, copy=copy)
 
 
 def dispatch_mlp_return(
@@ -1350,16 +1411,13 @@ def dispatch_mlp_return(
     buffer and side rows no copy or zero range fills are unspecified. Call inside
     `jax.shard_map` over `axis_name`. Written in session 17; bitwise equal to the separate
     kernels on one H200 in session 19 (its GPU twin)."""
-    moves.check()
-    back.check()
+    num_tiles = _check_dispatch(moves, tile=tile, out_rows=out_rows)
+    _check_return(back)
     _check_copy_stages(copy_stages)
     _check_sides((side_ac,), src_ad.shape[0], f"the rows {src_ad.shape}")
     if side_ac.dtype != jnp.float32:
         raise ValueError(f"the side (the weights in column 0) must be f32, got {side_ac.dtype}")
-    if back.arrivals_c.shape != (1,):
-        raise ValueError(f"the return counts on one counter, got arrivals {back.arrivals_c.shape}")
-    weights = (w_gate_gdf, w_up_gdf)
-    gmm_kernel._check_inputs(src_ad, weights, group_sizes_g, ("w_gate", "w_up"))
+    gmm_kernel.check_inputs(src_ad, (w_gate_gdf, w_up_gdf), group_sizes_g, ("w_gate", "w_up"))
     if w_down_gfd.dtype != src_ad.dtype:
         raise ValueError(f"w_down's dtype {w_down_gfd.dtype} must be the rows' {src_ad.dtype}")
     num_rows, d_model = src_ad.shape
@@ -1369,12 +1427,11 @@ def dispatch_mlp_return(
             f"w_gate {w_gate_gdf.shape} must be [G, D={d_model}, F] and w_down "
             f"{w_down_gfd.shape} [G, F, D]"
         )
-    num_tiles = moves.arrivals_c.shape[0]
-    if num_tiles * tile != out_rows:
-        raise ValueError(f"{num_tiles} counters of {tile} rows must cover out_rows={out_rows}")
     dtype = src_ad.dtype
-    swiglu_config = gmm_kernel.programs_config("swiglu", n=d_ff, dtype=dtype)
-    down_config = gmm_kernel.programs_config("scaled", n=d_model, dtype=dtype)
+    swiglu_config = _gemm_config("swiglu", k=d_model, n=d_ff, dtype=dtype, out_dtype=dtype,
+                                 num_rhs=2)  # fmt: skip
+    down_config = _gemm_config("scaled", k=d_ff, n=d_model, dtype=dtype, out_dtype=jnp.float32,
+                               num_rhs=1)  # fmt: skip
     shared = ("block_m", "num_consumers")
     if any(getattr(swiglu_config, a) != getattr(down_config, a) for a in shared):
         raise ValueError(
@@ -1383,40 +1440,29 @@ def dispatch_mlp_return(
             f"{down_config}; on the H200's tiles D must be a multiple of 128): use "
             f"exchange_fusion='per_gemm'"
         )
-    itemsize = jnp.dtype(dtype).itemsize
-    gmm_kernel._check_config(swiglu_config, k=d_model, n=d_ff, itemsize=itemsize,
-                             out_itemsize=itemsize, nr=2)  # fmt: skip
-    gmm_kernel._check_config(down_config, k=d_ff, n=d_model, itemsize=itemsize, out_itemsize=4,
-                             nr=1)  # fmt: skip
-    exchange_programs, programs = _programs(exchange_programs)
+    overlap = _overlap(exchange_programs, num_consumers=swiglu_config.num_consumers,
+                       axis_name=axis_name, copy_stages=copy_stages)  # fmt: skip
     block_m = swiglu_config.block_m
-    # As in the two kernels: whole 8-row tiles, at least block_m rows; the routing weights are
-    # read for whole row tiles, so the side has block_m rows more (unfilled: their rows are
-    # not stored).
-    kernel_rows = max(pl.cdiv(out_rows, 8) * 8, block_m)
-    kinds, kind_of = _stage_kinds((src_ad, side_ac))
-    groups_end = jnp.sum(group_sizes_g, dtype=jnp.int32)
-    zero_first_z, zero_end_z, wait_c = _zero_signals(moves, groups_end, tile, num_tiles)
-    schedule_t4 = gmm_kernel.schedule_table(group_sizes_g, num_rows=out_rows, tile_m=block_m)
+    # As in the two kernels; the routing weights are read for whole row tiles, so the side has
+    # block_m rows more (unfilled: their rows are not stored).
+    kernel_rows = _kernel_rows(out_rows, block_m)
+    schedule_t4, waits = _dispatch_waits(moves, group_sizes_g, tile=tile, out_rows=out_rows,
+                                         block_m=block_m)  # fmt: skip
     num_row_tiles = schedule_t4.shape[0]
     first_p, end_p = _row_tile_waits(back, schedule_t4)
-    named = _moves_tables(moves, round_index)
-    named |= {"arrivals_c": wait_c, "zero_first_z": zero_first_z, "zero_end_z": zero_end_z}
+    named = _moves_tables(moves, round_index) | waits
     back_named = _moves_tables(back, round_index) | {"first_p": first_p, "end_p": end_p}
     named |= {f"back_{name}": back_named[name] for name in _RETURN_TABLES}
-    num_counters = num_tiles + 2 * num_row_tiles + 1
-    tables, packed = _pack(named, counters=num_counters)
+    tables, packed = _pack(named, counters=num_tiles + 2 * num_row_tiles + 1)
+    y_type = jax.ShapeDtypeStruct((kernel_rows, d_model), jnp.float32)
     kernel = functools.partial(
         _forward_kernel,
         packed=packed,
         swiglu_config=swiglu_config,
         down_config=down_config,
-        gemm_programs=programs - exchange_programs,
-        exchange_programs=exchange_programs,
-        kinds=kinds,
-        kind_of=kind_of,
-        boxes=_dispatch_boxes(kinds),
-        return_box=stage_rows(d_model, 4),
+        overlap=overlap,
+        dispatch_rows=_Rows.of((src_ad, side_ac)),
+        return_rows=_Rows.of((y_type,)),
         tile=tile,
         num_tiles=num_tiles,
         num_row_tiles=num_row_tiles,
@@ -1424,25 +1470,16 @@ def dispatch_mlp_return(
         y_signals=(d_model // down_config.block_n) * down_config.num_consumers,
         num_zeros=moves.zero_dst_z.shape[0],
         num_return_zeros=back.zero_dst_z.shape[0],
-        axis_name=axis_name,
-        local=lax.axis_size(axis_name) == 1,
-        copy_stages=copy_stages,
     )
     out_types = (
         jax.ShapeDtypeStruct((kernel_rows, d_model), dtype),
         jax.ShapeDtypeStruct((kernel_rows + block_m, side_ac.shape[1]), side_ac.dtype),
         jax.ShapeDtypeStruct((kernel_rows, d_ff), dtype),
-        jax.ShapeDtypeStruct((kernel_rows, d_model), jnp.float32),
+        y_type,
         jax.ShapeDtypeStruct((num_rows, d_model), jnp.float32),
     )
-    buffer, side, h, y, out = plgpu.kernel(
-        kernel,
-        out_type=out_types,
-        grid=(programs,),
-        grid_names=("sm",),
-        num_threads=swiglu_config.num_consumers + 1,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )(schedule_t4, src_ad, side_ac, tables, w_gate_gdf, w_up_gdf, w_down_gfd)
+    outs = _launch(kernel, overlap, out_types, schedule_t4, src_ad, side_ac, tables, w_gate_gdf,
+                   w_up_gdf, w_down_gfd)  # fmt: skip
+    buffer, side, h, y, out = outs
     buffer, side, h, y = (a[:out_rows] for a in (buffer, side, h, y))
     return tuple(like(a, src_ad) for a in (buffer, side, h, y, out))

@@ -882,7 +882,12 @@ def _kernel(
 # Public wrappers.
 
 
-def _check_inputs(lhs_mk: Array, rhs: tuple[Array, ...], group_sizes_g: Array, names):
+def check_inputs(
+    lhs_mk: Array, rhs: tuple[Array, ...], group_sizes_g: Array, names: tuple[str, ...]
+) -> None:
+    """Raises ValueError unless the grouped GEMM's inputs are what its kernels read: lhs [M, K]
+    in bfloat16 or float16; each rhs part (named in the messages by `names`, one a part) of
+    rank 3 [G, ., .], of lhs's dtype and of the first part's shape; group_sizes int32 [G]."""
     if lhs_mk.ndim != 2:
         raise ValueError(f"lhs must be [M, K], got shape {lhs_mk.shape}")
     if jnp.dtype(lhs_mk.dtype) not in INPUT_DTYPES:
@@ -974,19 +979,22 @@ def default_config(
     )
 
 
-def _check_config(
+def check_config(
     config: TileConfig,
     *,
     k: int,
     n: int,
     itemsize: int,
     out_itemsize: int,
-    nr,
+    num_rhs: int,
     num_lhs: int = 1,
     dim: str = "N",
-):
-    """Raises ValueError if the kernel cannot run `config` for K = k and an output of n
-    columns (named `dim` in the messages: N, or F for gmm_swiglu_bwd)."""
+) -> None:
+    """Raises ValueError if the kernel cannot run `config`'s tiles for K = k and an output of n
+    columns (named `dim` in the messages: N, or F for gmm_swiglu_bwd): K and N must be whole
+    blocks, the column tiles whole clusters, an epilogue row a multiple of 128 bytes, and the
+    stages of `num_lhs` lhs and `num_rhs` rhs tiles (inputs of `itemsize` bytes, outputs of
+    `out_itemsize`) must fit the device's shared memory."""
     if k % config.block_k:
         raise ValueError(f"K={k} must be a multiple of block_k={config.block_k}")
     if n % config.block_n:
@@ -1005,7 +1013,7 @@ def _check_config(
             f"{epi_row_bytes} bytes a row: it must be a multiple of 128"
         )
     smem = config.smem_bytes(
-        itemsize=itemsize, out_itemsize=out_itemsize, num_rhs=nr, num_lhs=num_lhs
+        itemsize=itemsize, out_itemsize=out_itemsize, num_rhs=num_rhs, num_lhs=num_lhs
     )
     limit = tuning.DEVICES[tuning.resolve_device_kind()].smem_bytes
     if smem > limit:
@@ -1296,7 +1304,7 @@ def gmm(
     if not parts:
         raise ValueError("rhs_gkn must be an array or a non-empty tuple of arrays")
     names = ("rhs",) if len(parts) == 1 else tuple(f"rhs[{i}]" for i in range(len(parts)))
-    _check_inputs(lhs_mk, parts, group_sizes_g, names)
+    check_inputs(lhs_mk, parts, group_sizes_g, names)
     num_rows = _num_rows(lhs_mk, lhs_rows_m)
     k = lhs_mk.shape[1]
     _, rk, rn = parts[0].shape
@@ -1326,13 +1334,13 @@ def gmm(
             interpret=interpret,
         )
         config = _without_clusters(config, lhs_rows_m)
-    _check_config(
+    check_config(
         config,
         k=k,
         n=rn,
         itemsize=lhs_mk.dtype.itemsize,
         out_itemsize=out_dtype.itemsize,
-        nr=1,
+        num_rhs=1,
     )
     if part_k % config.block_k:
         raise ValueError(
@@ -1372,7 +1380,7 @@ def gmm_swiglu(
     `gate_up_out`, returns (h, gate, up): the same kernel's epilogue also stores its f32 gate
     and up accumulators in lhs dtype ([M, F] each; the bits of gmm's product of each), so a
     backward need not recompute them."""
-    _check_inputs(lhs_mk, (w_gate_gkf, w_up_gkf), group_sizes_g, ("w_gate", "w_up"))
+    check_inputs(lhs_mk, (w_gate_gkf, w_up_gkf), group_sizes_g, ("w_gate", "w_up"))
     _num_rows(lhs_mk, lhs_rows_m)
     k = lhs_mk.shape[1]
     if w_gate_gkf.shape[1] != k:
@@ -1387,13 +1395,13 @@ def gmm_swiglu(
             interpret=interpret,
         )
         config = _without_clusters(config, lhs_rows_m)
-    _check_config(
+    check_config(
         config,
         k=k,
         n=w_gate_gkf.shape[2],
         itemsize=lhs_mk.dtype.itemsize,
         out_itemsize=lhs_mk.dtype.itemsize,
-        nr=2,
+        num_rhs=2,
     )
     _check_rows(lhs_mk, lhs_rows_m, config)
     return _grouped_call(
@@ -1459,7 +1467,7 @@ def gmm_swiglu_bwd(
     d_gate_up, out_parts=2), d_w_down = tgmm(h, s * dy). Rows past sum(group_sizes_g) are 0
     in every output. No gathered rows, no clusters.
     """
-    _check_inputs(lhs_mk, (w_gate_gkf, w_up_gkf), group_sizes_g, ("w_gate", "w_up"))
+    check_inputs(lhs_mk, (w_gate_gkf, w_up_gkf), group_sizes_g, ("w_gate", "w_up"))
     num_rows, k = lhs_mk.shape
     g, _, f = w_gate_gkf.shape
     if w_gate_gkf.shape[1] != k:
@@ -1495,8 +1503,8 @@ def gmm_swiglu_bwd(
         )
     if config.cluster_size != 1:
         raise ValueError(f"gmm_swiglu_bwd runs without clusters, got {config}")
-    _check_config(
-        config, k=k, n=f, itemsize=itemsize, out_itemsize=itemsize, nr=3, num_lhs=2, dim="F"
+    check_config(
+        config, k=k, n=f, itemsize=itemsize, out_itemsize=itemsize, num_rhs=3, num_lhs=2, dim="F"
     )
     outs = _grouped_call(
         lhs_mk,
