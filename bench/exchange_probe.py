@@ -175,6 +175,7 @@ def _overlap(programs: tuple[int, ...], window_factor: float, stages: tuple[int,
     from pallas_kernels.exchange import mosaic_gpu
     from pallas_kernels.exchange import protocol as xp
     from pallas_kernels.grouped_matmul import mosaic_gpu as grouped
+    from pallas_kernels.mesh import like
 
     t_mod, _ = _case()
     axis = t_mod.AXIS
@@ -211,7 +212,7 @@ def _overlap(programs: tuple[int, ...], window_factor: float, stages: tuple[int,
     def separate(x, side, w_gate, w_up, moves, group_sizes):
         buf = send(x, moves, zero)
         h = grouped.gmm_swiglu(buf, w_gate, w_up, group_sizes)
-        return buf, send(side, moves, zero), mosaic_gpu._like(h, buf)
+        return buf, send(side, moves, zero), like(h, buf)
 
     def overlapped(c, s):
         def run(x, side, w_gate, w_up, moves, group_sizes):
@@ -254,7 +255,7 @@ def _overlap(programs: tuple[int, ...], window_factor: float, stages: tuple[int,
 
     def back_separate(h, side_s, w_down, back, group_sizes):
         y = grouped.gmm(h, w_down, group_sizes, row_scale_m=side_s[:, 0], out_dtype=jnp.float32)
-        y = mosaic_gpu._like(y, h)
+        y = like(y, h)
         return mosaic_gpu.send_rows(y, back, zero, axis_name=axis, out_rows=num_rows)
 
     def back_overlapped(c, s):
@@ -283,7 +284,7 @@ def _overlap(programs: tuple[int, ...], window_factor: float, stages: tuple[int,
 
     def dgrad_separate(d_gate_up, w_gate, w_up, back, group_sizes):
         d_buffer = grouped.gmm(d_gate_up, (w_gate, w_up), group_sizes, transpose_rhs=True)
-        d_buffer = mosaic_gpu._like(d_buffer, d_gate_up)
+        d_buffer = like(d_buffer, d_gate_up)
         return mosaic_gpu.send_rows(d_buffer, back, zero, axis_name=axis, out_rows=num_rows)
 
     def dgrad_overlapped(c, s):
