@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The project's test suite. Sets up .venv (with the test extra) on first use, then runs pytest;
-# arguments go to pytest, e.g. ./test.sh tests/mok_jax -k routing
+# The project's test suite. Sets up .venv (with the test extra) on first use, then runs pytest on
+# 2 workers; arguments go to pytest, e.g. ./test.sh tests/mok_jax -k routing.
+#   ./test.sh         the fast tier: every test module, the tests marked slow deselected
+#   ./test.sh --all   every test (CI's)
 set -euo pipefail
 cd "$(dirname "$0")"
 source scripts/venv.sh "test"

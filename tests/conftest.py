@@ -1,9 +1,11 @@
 """Test set-up: 8 fake CPU devices, strict dtype promotion, GPU interpret mode's matmul in a
-fixed order, hypothesis profiles, the gpu marker, jax's compiled programs released after each
-test module."""
+fixed order, hypothesis profiles, the gpu and slow markers (slow tests run only with --all), one
+XLA compilation cache for the run, jax's compiled programs released after each test module."""
 
+import functools
 import gc
 import os
+import shutil
 import tempfile
 import types
 
@@ -63,9 +65,11 @@ def _interpret_wgmma_in_k_order() -> None:
 
 _interpret_wgmma_in_k_order()
 
+# Hypothesis profiles: "fast" for the fast tier (./test.sh), "ci" with --all, "thorough" on
+# request (HYPOTHESIS_PROFILE names one and overrides both).
+settings.register_profile("fast", max_examples=5, deadline=None, derandomize=True)
 settings.register_profile("ci", max_examples=40, deadline=None, derandomize=True)
 settings.register_profile("thorough", max_examples=500, deadline=None)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -121,10 +125,81 @@ def _has_gpu() -> bool:
         return False
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--all",
+        action="store_true",
+        default=False,
+        help="run the tests marked slow too (without it they are deselected: the fast tier)",
+    )
+
+
+def pytest_configure(config):
+    default = "ci" if config.getoption("--all") else "fast"
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", default))
+    _use_the_runs_compilation_cache(config)
+
+
+# One persistent compilation cache (XLA's executables) for the test run, shared by its
+# pytest-xdist workers: a program that several tests compile anew (each Trainer jits its own
+# step, each module's programs are released after it, a module's tests may run on both
+# workers) is compiled by XLA once, then read back (the micro model's train step: ~30 s on 2
+# busy cores, then ~1 s). Only programs that took a second or more are kept.
+_compilation_cache: str | None = None
+
+
+def _use_the_runs_compilation_cache(config) -> None:
+    global _compilation_cache
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None:  # a pytest-xdist worker: its controller's folder
+        _compilation_cache = workerinput["mok_jax_compilation_cache"]
+    else:
+        _compilation_cache = tempfile.mkdtemp(prefix="mok_jax_test_compilation_cache_")
+        config.add_cleanup(functools.partial(shutil.rmtree, _compilation_cache, True))
+    jax.config.update("jax_compilation_cache_dir", _compilation_cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """pytest-xdist's controller, starting a worker: the run's compilation cache."""
+    node.workerinput["mok_jax_compilation_cache"] = _compilation_cache
+
+
+def _deselected_as_slow(item) -> bool:
+    """Marked slow and not gpu: a GPU test always runs (skipped without a GPU), so that
+    `./test.sh -m gpu` runs every one of them."""
+    return item.get_closest_marker("slow") is not None and item.get_closest_marker("gpu") is None
+
+
 def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--all"):
+        slow = [item for item in items if _deselected_as_slow(item)]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [item for item in items if not _deselected_as_slow(item)]
+            if hasattr(config, "workeroutput"):  # a pytest-xdist worker: see below
+                config.workeroutput["deselected_as_slow"] = [item.nodeid for item in slow]
     if _has_gpu():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+_reported_deselected = False
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """pytest-xdist's controller collects nothing: each worker collects and deselects the same
+    slow tests, so the first worker's list is passed on once, for the summary's "N deselected"
+    (as stand-ins that carry the node id: the controller has no items, and the terminal
+    reporter only counts them)."""
+    global _reported_deselected
+    nodeids = getattr(node, "workeroutput", {}).get("deselected_as_slow")
+    if nodeids and not _reported_deselected:
+        _reported_deselected = True
+        stand_ins = [types.SimpleNamespace(nodeid=nodeid) for nodeid in nodeids]
+        node.config.hook.pytest_deselected(items=stand_ins)
