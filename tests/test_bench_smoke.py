@@ -664,6 +664,7 @@ def test_moe_layer_fused_options_set_the_fused_config_and_reject_unknown_fields(
         layer.parse_args(["--fused-options", "row_tile=128"])
 
 
+@pytest.mark.slow
 def test_moe_layer_fwd_bwd_returns_y_not_the_cancelling_loss():
     """fwd_bwd's outputs are y (the forward's bits, checked entry by entry) and the gradients of
     sum(y * cot); the loss itself, a sum that cancels, is not among them."""

@@ -83,6 +83,10 @@ MESHES = {
     "dp4xep2": dict(layout="data_expert", data=4),
 }
 
+# Every mesh with each exchange; the fast tier runs one of them, both axes of the mesh in use.
+CASES = [(mesh, exchange) for mesh in MESHES for exchange in ("ragged_all_to_all", "ring")]
+FAST_CASE = ("dp2xep4", "ragged_all_to_all")
+
 
 class ExpertParallelTest(parameterized.TestCase):
     def assert_sharded_matches(self, cfg, mesh, bias=None, num_tokens=NUM_TOKENS, seed=0):
@@ -98,20 +102,27 @@ class ExpertParallelTest(parameterized.TestCase):
         )
         return sharded[0][1][1]
 
-    @parameterized.product(
-        mesh_name=tuple(MESHES), exchange=("ragged_all_to_all", "ring"), preset=("dsv3",)
-    )
-    def test_sharded_equals_unsharded(self, mesh_name, exchange, preset):
-        cfg = dataclasses.replace({"dsv3": DSV3, "qwen3": QWEN3}[preset], exchange=exchange)
+    def assert_sharded_equals_unsharded(self, mesh_name, exchange):
+        cfg = dataclasses.replace(DSV3, exchange=exchange)
         aux = self.assert_sharded_matches(cfg, mesh_of(**MESHES[mesh_name]))
         self.assertEqual(int(aux.rounds), 1)
 
+    def test_sharded_equals_unsharded(self):
+        self.assert_sharded_equals_unsharded(*FAST_CASE)
+
+    @parameterized.parameters(*(case for case in CASES if case != FAST_CASE))
+    @pytest.mark.slow
+    def test_sharded_equals_unsharded_on_more_meshes(self, mesh_name, exchange):
+        self.assert_sharded_equals_unsharded(mesh_name, exchange)
+
     @parameterized.parameters("ragged_all_to_all", "ring")
+    @pytest.mark.slow
     def test_other_preset_two_tokens_per_device(self, exchange):
         cfg = dataclasses.replace(QWEN3, exchange=exchange)
         self.assert_sharded_matches(cfg, mesh_of("expert"), num_tokens=16, seed=3)
 
     @parameterized.parameters("ragged_all_to_all", "ring")
+    @pytest.mark.slow
     def test_forced_imbalance_takes_rounds_and_drops_nothing(self, exchange):
         # Every token to expert 0 (and its k-1 neighbours in the best group); experts of half
         # the devices get nothing. A buffer of a quarter of the balanced load needs rounds.
@@ -122,6 +133,7 @@ class ExpertParallelTest(parameterized.TestCase):
         self.assertEqual(int(aux.dropped), 0)
         self.assertEqual(int(jnp.sum(aux.tokens_per_expert[16:])), 0)
 
+    @pytest.mark.slow
     def test_another_token_chunk_keeps_sharded_equal_to_unsharded(self):
         # token_chunk 16 (the default here is 8 * row_tile = 64): the route, combine and shared
         # expert run 4 chunks of the 64 tokens unsharded, 2 (8 tokens, padded) per device on 8
@@ -129,12 +141,14 @@ class ExpertParallelTest(parameterized.TestCase):
         cfg = dataclasses.replace(DSV3, options=MoEOptions(token_chunk=16))
         self.assert_sharded_matches(cfg, mesh_of("expert"))
 
+    @pytest.mark.slow
     def test_capacity_drops_like_unsharded(self):
         cfg = dataclasses.replace(QWEN3, capacity_factor=1.0)
         bias = {0: 1.0, 1: 1.0}  # overload two experts so the capacity bites
         aux = self.assert_sharded_matches(cfg, mesh_of("data_expert", data=2), bias=bias)
         self.assertGreater(int(aux.dropped), 0)
 
+    @pytest.mark.slow
     def test_weight_gradients_bitwise_across_runs(self):
         cfg = dataclasses.replace(DSV3, exchange="ring")
         mesh = mesh_of("data_expert", data=2)
@@ -143,6 +157,7 @@ class ExpertParallelTest(parameterized.TestCase):
         second = value_and_grads_fn()(x, params, cotangent, cfg, mesh)
         chex.assert_trees_all_equal(first, second)
 
+    @pytest.mark.slow
     def test_expert_weight_gradients_bitwise_across_expert_parallel_degrees(self):
         # One round of the windowed exchange: an expert's rows arrive whole, in global token
         # order, so its tiles (and their in-order accumulation) are the same on every mesh.
@@ -154,6 +169,7 @@ class ExpertParallelTest(parameterized.TestCase):
                 (dp.w_gate, dp.w_up, dp.w_down), (dp1.w_gate, dp1.w_up, dp1.w_down)
             )
 
+    @pytest.mark.slow
     def test_shared_expert_weight_gradients_add_up_in_f32(self):
         # bf16 compute: each device's chunks add their weight gradients in f32 before the sum
         # over devices, so EP 8 differs from one device by f32 rounding only (rounding each
@@ -168,6 +184,7 @@ class ExpertParallelTest(parameterized.TestCase):
             error = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
             self.assertLess(error, 1e-5, name)
 
+    @pytest.mark.slow
     def test_module_under_set_mesh(self):
         model = mok_jax.MoE(DSV3, rngs=nnx.Rngs(0))
         specs = nnx.get_partition_spec(nnx.state(model))
@@ -186,6 +203,7 @@ class ExpertParallelTest(parameterized.TestCase):
         self.assertEqual(placed.w_down[...].sharding.spec, PartitionSpec("expert", None, None))
         chex.assert_trees_all_equal(placed.w_down[...], model.w_down[...])
 
+    @pytest.mark.slow
     def test_no_host_synchronization(self):
         mesh = mesh_of("expert")
         x, params, cotangent = random_inputs(DSV3, NUM_TOKENS, 2)
@@ -197,10 +215,14 @@ class ExpertParallelTest(parameterized.TestCase):
         with jax.transfer_guard("disallow"):
             jax.block_until_ready(step(x, params, cotangent, DSV3, mesh))
 
-    @parameterized.parameters(
-        ("ragged_all_to_all", "ragged_all_to_all"), ("ring", "collective_permute")
-    )
-    def test_lowered_for_cuda(self, exchange, collective):
+    def test_lowered_for_cuda(self):
+        self.assert_lowered_for_cuda("ragged_all_to_all", "ragged_all_to_all")
+
+    @pytest.mark.slow
+    def test_lowered_for_cuda_with_the_ring(self):
+        self.assert_lowered_for_cuda("ring", "collective_permute")
+
+    def assert_lowered_for_cuda(self, exchange, collective):
         cfg = dataclasses.replace(DSV3, exchange=exchange, dtype=jnp.bfloat16, row_tile=64)
         mesh = mesh_of("expert")
         x, params, cotangent = random_inputs(cfg, 8 * 64, 0)
@@ -210,6 +232,7 @@ class ExpertParallelTest(parameterized.TestCase):
         for combiner in scatter_combiners(text):
             self.assertNotIn("add", combiner)
 
+    @pytest.mark.slow
     def test_one_device_mesh_needs_no_collective(self):
         mesh = mesh_of("expert", num_devices=1)
         self.assert_sharded_matches(DSV3, mesh)
@@ -246,6 +269,7 @@ class ExpertParallelTest(parameterized.TestCase):
         with self.assertRaisesRegex(ValueError, "expert=3 must divide the 8 devices"):
             make_mesh("data_expert", expert=3)
 
+    @pytest.mark.slow
     def test_rules_place_inputs_of_any_sharding(self):
         mesh = mesh_of("data_expert", data=2)
         x, params, _ = random_inputs(DSV3, NUM_TOKENS, 4)

@@ -64,6 +64,7 @@ def _pallas_inputs(dtype):
     return params, weights, jnp.asarray(sizes), cotangent
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
 def test_grouped_swiglu_pallas_matches_ragged(weighted):
     from mok_jax.experts import grouped_swiglu_pallas
@@ -148,6 +149,7 @@ def _fused_inputs(dtype, top_k=2):
     return (*params, scale), plan, cotangent
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rows", ["copied", "gathered"])
 def test_grouped_swiglu_fused_kept_gate_up_give_the_recomputing_backward_bits(rows):
     # residuals "gate_up" hands the backward the forward kernel's gate and up (its f32

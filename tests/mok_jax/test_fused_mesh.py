@@ -106,6 +106,7 @@ def one_device(cfg, seed):
     return value_and_grads(*random_inputs(cfg, NUM_TOKENS, seed), cfg, None)
 
 
+@pytest.mark.slow
 def test_two_devices_equal_one():
     """EP 2 in several rounds, with two exchange tiles; then 2 devices on the data axis (EP 1),
     with the exchange (its copies go to the device itself, in several rounds) and without it
@@ -128,6 +129,7 @@ def test_two_devices_equal_one():
             assert_same_rows(result, base, QWEN3.dtype)
 
 
+@pytest.mark.slow
 def test_automatic_choices_keep_the_bits_across_meshes():
     """implementation and options "auto", built for an H100 (its kernels run in GPU interpret
     mode here): without a mesh the rules keep gate and up (residuals "gate_up"); on EP 2 the
@@ -152,6 +154,7 @@ def test_automatic_choices_keep_the_bits_across_meshes():
     assert_same_rows(result, one_device(inputs, 0), cfg.dtype)
 
 
+@pytest.mark.slow
 def test_forced_imbalance_takes_rounds_and_drops_nothing():
     """EP 2 with every token sent to two experts of device 0 (device 1's experts get nothing):
     device 0 receives every row, twice its balanced load, through a buffer of half of it, so
@@ -171,6 +174,7 @@ def test_forced_imbalance_takes_rounds_and_drops_nothing():
     assert_same_rows(result, base, cfg.dtype)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("residuals", ["inputs", "gate_up"])
 def test_a_data_axes_mesh_runs_each_device_as_one(residuals):
     """2 devices on the data axis (an expert axis of one device): `fused` with or without the
@@ -214,6 +218,7 @@ def nan_run(cfg, num_tokens: int):
 WIDE_TOKENS = 256
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "recompute,buffer_factor,num_tokens",
     [
@@ -250,6 +255,7 @@ def test_nothing_reads_the_rows_the_kernel_leaves_unspecified(recompute, buffer_
     assert_same_rows(result, base, cfg.dtype)
 
 
+@pytest.mark.slow
 def test_the_weight_gradients_read_the_zeroed_slots_past_the_groups():
     """The control of the test above: the weight gradients' kernel reads up to block_k - 1
     slots past the groups (exchange tiles of 4 rows, blocks of 64 in interpret mode), so with
@@ -277,6 +283,7 @@ def _weight_converts(jaxpr, shapes, *, in_cond: bool = False) -> tuple[int, int]
     return counts[0], counts[1]
 
 
+@pytest.mark.slow
 def test_one_round_leaves_bf16_weight_gradients_as_they_are():
     """With bf16 weights and one round, the backward returns round 0's weight gradients as its
     kernels give them: no weight-sized convert outside the cond that adds later rounds' in f32
@@ -304,7 +311,9 @@ def test_one_round_leaves_bf16_weight_gradients_as_they_are():
             assert_same_rows(result, value_and_grads(x, params, cotangent, cfg, None), cfg.dtype)
 
 
-@pytest.mark.parametrize("layout", ["ep8", "dp2xep4"])
+# The fast tier's case of this module: the 2 x 4 mesh's lowering (ep8 adds the lowerings of
+# other exchange options).
+@pytest.mark.parametrize("layout", [pytest.param("ep8", marks=pytest.mark.slow), "dp2xep4"])
 def test_lowered_for_cuda_on_8_devices(layout):
     """The forward+backward lowers for CUDA on EP 8 and on a 2 x 4 (data x expert) mesh (the
     peers addressed along one axis of two) with the exchange's kernels and no collective for

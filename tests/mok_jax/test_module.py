@@ -6,12 +6,14 @@ import chex
 import jax
 import jax.numpy as jnp
 import optax
+import pytest
 from flax import nnx
 
 from mok_jax import MoE, MoEParams, RouterBias, moe
 from tests.mok_jax.cases import SCALED_PRESETS
 
 
+@pytest.mark.slow
 def test_module_computes_moe():
     cfg = SCALED_PRESETS["deepseek_v3"]
     layer = MoE(cfg, rngs=nnx.Rngs(0))
@@ -29,6 +31,7 @@ def test_shared_experts_only_when_configured():
     chex.assert_shape(layer.shared_w_gate[...], (64, 64))
 
 
+@pytest.mark.slow
 def test_gradients_skip_the_router_bias():
     cfg = SCALED_PRESETS["tiny"]
     layer = MoE(cfg, rngs=nnx.Rngs(0))

@@ -115,6 +115,7 @@ class PallasMeshTest(parameterized.TestCase):
         xla = with_impl(cfg, "xla")
         assert_close_results(sharded, value_and_grads(x, params, cotangent, xla, mesh), cfg.dtype)
 
+    @pytest.mark.slow
     def test_two_devices_equal_one(self):
         """EP 2, then 2 devices on the data axis (the weights' gradients summed over it): one
         test, so that the one-device run is computed once."""
@@ -133,14 +134,15 @@ class PallasMeshTest(parameterized.TestCase):
     "layout, exchange, collective",
     [
         ("dp2xep4", "ring", "collective_permute"),
-        pytest.param("ep2", "ring", "collective_permute", marks=pytest.mark.slow),
-        pytest.param("ep8", "ragged_all_to_all", "ragged_all_to_all", marks=pytest.mark.slow),
-        pytest.param("dp2xep4", "ragged_all_to_all", "ragged_all_to_all", marks=pytest.mark.slow),
+        ("ep2", "ring", "collective_permute"),
+        ("ep8", "ragged_all_to_all", "ragged_all_to_all"),
+        ("dp2xep4", "ragged_all_to_all", "ragged_all_to_all"),
     ],
 )
+@pytest.mark.slow
 def test_lowered_for_cuda(layout, exchange, collective):
     """The forward+backward lowers for CUDA with the kernels inside shard_map (each case lowers
-    some twenty Mosaic GPU kernels: slow, so one case runs by default)."""
+    some twenty Mosaic GPU kernels, 40 s or more on 2 CPU cores)."""
     cfg = with_impl(SCALED_PRESETS["deepseek_v3"], "pallas", exchange=exchange)
     mesh = {
         "ep2": lambda: mesh_of("expert", 2),
@@ -158,6 +160,7 @@ def test_lowered_for_cuda(layout, exchange, collective):
     assert "io_callback" not in text  # no interpret mode left
 
 
+@pytest.mark.slow
 def test_ops_inside_shard_map():
     """The custom VJPs inside shard_map: rows varying over the axis, weights, scales and group
     sizes not (their gradients summed over it); values and gradients the same bits as without

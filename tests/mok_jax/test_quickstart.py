@@ -13,8 +13,11 @@ from mok_jax.quickstart import main
 @pytest.mark.parametrize(
     "argv",
     [
-        ["--tokens", "64", "--repeats", "1"],
-        ["--preset", "deepseek_v3", "--tokens", "32", "--repeats", "1", "--dtype", "float32"],
+        pytest.param(["--tokens", "64", "--repeats", "1"], marks=pytest.mark.slow),
+        pytest.param(
+            ["--preset", "deepseek_v3", "--tokens", "32", "--repeats", "1", "--dtype", "float32"],
+            marks=pytest.mark.slow,
+        ),
         ["--preset", "switch", "--tokens", "32", "--repeats", "1", "--no-reference"],
     ],
 )
@@ -43,6 +46,7 @@ def test_quickstart_rejects_bad_arguments(capsys):
     assert "--tokens=0" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_python_dash_m():
     result = subprocess.run(
         [sys.executable, "-m", "mok_jax", "--tokens", "16", "--repeats", "1"],

@@ -200,6 +200,7 @@ def test_bit_changing_choices_ignore_mesh_and_tokens(target, name):
     assert len(seen) == 1, seen
 
 
+@pytest.mark.slow
 def test_defaults_lower_to_the_mosaic_gpu_kernels_for_cuda():
     # MoEConfig with nothing else: on a CPU it runs xla; built for an H100 (lowered for CUDA on
     # this CPU machine), the forward and backward are the Mosaic GPU kernels.

@@ -86,6 +86,7 @@ def _run(workdir, *, resume=False, lines=None, **changes):
     return train(MICRO_MODEL, cfg, resume=resume, progress=False, sample=False, log=log)
 
 
+# Its tests are all slow (./test.sh --all): the run takes ~30 s to make on 2 CPU cores.
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> tuple[pathlib.Path, list[float]]:
     """An uninterrupted run of 6 steps saved at 2, 4 and 6, with its step 6 removed: the
@@ -112,6 +113,7 @@ def trainer():
     return get_trainer(MICRO_MODEL, cfg, make_train_mesh(cfg))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", FAULTS)
 @pytest.mark.parametrize("kind", FILE_KINDS)
 def test_damaged_latest_step(tmp_path, saved_run, whole_losses, trainer, kind, fault):
@@ -170,6 +172,7 @@ def test_damaged_latest_step(tmp_path, saved_run, whole_losses, trainer, kind, f
     checkpoints.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", FAULTS)
 def test_every_file_of_the_step(tmp_path, saved_run, trainer, fault):
     """Each of OCDBT's files of step 4 in turn (manifests, index nodes, data files, whatever
@@ -209,6 +212,7 @@ def test_every_file_of_the_step(tmp_path, saved_run, trainer, fault):
     assert any(step != 4 for step in outcomes.values())
 
 
+@pytest.mark.slow
 def test_no_good_step_is_an_error_and_writes_nothing(tmp_path, saved_run, trainer):
     shutil.copytree(saved_run, tmp_path, dirs_exist_ok=True)
     for step in (2, 4):
@@ -227,6 +231,7 @@ def test_no_good_step_is_an_error_and_writes_nothing(tmp_path, saved_run, traine
     assert _snapshot(tmp_path) == before
 
 
+@pytest.mark.slow
 def test_resume_from_a_chosen_step(tmp_path, saved_run, whole_losses):
     """--resume-from 2 with a good step 4: step 4 is moved aside (not deleted), the run redoes
     steps 3-4 with the uninterrupted run's losses."""
@@ -242,6 +247,7 @@ def test_resume_from_a_chosen_step(tmp_path, saved_run, whole_losses):
     assert any(line.endswith("at step 2: steps 3-4 are redone (2 steps)") for line in lines)
 
 
+@pytest.mark.slow
 def test_resume_from_a_missing_or_damaged_step_is_refused(tmp_path, saved_run):
     shutil.copytree(saved_run, tmp_path, dirs_exist_ok=True)
     (tmp_path / "checkpoints" / "2" / "default" / "manifest.ocdbt").unlink()
@@ -258,6 +264,7 @@ def test_resume_from_a_missing_or_damaged_step_is_refused(tmp_path, saved_run):
     assert _snapshot(tmp_path) == before
 
 
+@pytest.mark.slow
 def test_a_checksum_that_disagrees(tmp_path, saved_run, trainer):
     """One checksum in step 4's metadata changed (valid JSON, the same size): step 4 is
     skipped, naming the array."""
@@ -276,6 +283,7 @@ def test_a_checksum_that_disagrees(tmp_path, saved_run, trainer):
     )
 
 
+@pytest.mark.slow
 def test_arrays_of_another_shape_are_refused(saved_run):
     """A checkpoint read into a model of other shapes (a config.json swapped by hand: the
     config check cannot see it) fails on the stored shapes, before reading any array."""
@@ -287,6 +295,7 @@ def test_arrays_of_another_shape_are_refused(saved_run):
     checkpoints.close()
 
 
+@pytest.mark.slow
 def test_damaged_config_is_one_line(tmp_path, saved_run):
     shutil.copytree(saved_run, tmp_path, dirs_exist_ok=True)
     config = tmp_path / "config.json"

@@ -30,6 +30,11 @@ def _env() -> dict[str, str]:
     return env
 
 
+def slow(*values):
+    """A parametrization that only ./test.sh --all runs."""
+    return pytest.param(*values, marks=pytest.mark.slow)
+
+
 def _train(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "train", *args],
@@ -109,27 +114,31 @@ def test_second_run_reads_the_lowered_step_from_the_cache(tmp_path):
     assert list((tmp_path / "cache" / "steps").glob("*.jax_exported"))
 
 
+# Each case starts the command (~2 s); the fast tier runs one of each kind: the parser's, the
+# configuration's and the work folder's.
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         (["--bogus"], "unrecognized arguments: --bogus"),
-        (["--remat", "some"], "invalid choice: 'some'"),
-        (["--grad-accum", "3"], "batch_size=16 must be divisible by grad_accum=3"),
-        (["--preset", "huge"], "invalid choice: 'huge'"),
+        slow(["--remat", "some"], "invalid choice: 'some'"),
+        slow(["--grad-accum", "3"], "batch_size=16 must be divisible by grad_accum=3"),
+        slow(["--preset", "huge"], "invalid choice: 'huge'"),
         (["--steps", "0"], "steps=0 must be >= 1"),
-        (["--lr", "nan"], "peak_lr=nan must be finite"),
-        (["--data", "/no/such/file.txt"], "data path '/no/such/file.txt' does not exist"),
-        (["--batch-size", "12"], "batch_size=12 must be divisible by the 8 devices"),
-        (["--num-processes", "2"], "--coordinator, --num-processes and --process-id go together"),
-        (["sample", "--workdir", "/no/such/run"], "/no/such/run/config.json does not exist"),
+        slow(["--lr", "nan"], "peak_lr=nan must be finite"),
+        slow(["--data", "/no/such/file.txt"], "data path '/no/such/file.txt' does not exist"),
+        slow(["--batch-size", "12"], "batch_size=12 must be divisible by the 8 devices"),
+        slow(
+            ["--num-processes", "2"], "--coordinator, --num-processes and --process-id go together"
+        ),
+        slow(["sample", "--workdir", "/no/such/run"], "/no/such/run/config.json does not exist"),
         (["--workdir", "{tmp}/file"], "workdir='{tmp}/file' is not a folder"),
-        (["--workdir", "{tmp}/file/run"], "is not a folder: {tmp}/file is a file"),
-        (
+        slow(["--workdir", "{tmp}/file/run"], "is not a folder: {tmp}/file is a file"),
+        slow(
             ["--layout", "data_expert", "--data-parallel", "3"],
             "data_parallel=3 must divide the 8 devices",
         ),
-        (["--resume-from", "3"], "--resume-from 3: no checkpoint in {tmp}/w/checkpoints"),
-        (["--resume-from", "2", "--overwrite"], "--resume-from 2 and --overwrite exclude"),
+        slow(["--resume-from", "3"], "--resume-from 3: no checkpoint in {tmp}/w/checkpoints"),
+        slow(["--resume-from", "2", "--overwrite"], "--resume-from 2 and --overwrite exclude"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(tmp_path, args, message):

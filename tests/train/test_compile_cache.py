@@ -33,6 +33,7 @@ def _one_step(trainer: Trainer):
     return [np.asarray(a) for a in jax.tree.leaves(jax.device_get((state, metrics)))]
 
 
+@pytest.mark.slow
 def test_kept_then_read_gives_the_same_bits(cache):
     first = Trainer(MICRO_MODEL, ONE, None)
     assert first.compile().lowered == "traced and kept"
@@ -64,6 +65,7 @@ def test_a_damaged_file_is_lowered_again(cache):
     assert Trainer(MICRO_MODEL, ONE, None).compile().lowered == "traced and kept"
 
 
+@pytest.mark.slow
 def test_a_step_export_refuses_trains_uncached(cache, monkeypatch):
     def refuse(*args, **kwargs):
         raise ValueError("Cannot serialize this\nsecond line")

@@ -48,6 +48,7 @@ def test_estimate_parts(trainer):
     assert none.total == none.state + none.gradients + none.activations + none.workspace
 
 
+@pytest.mark.slow
 def test_estimate_state_is_what_xla_takes_as_arguments(trainer):
     trainer.compile()
     analysis = trainer.compiled_memory()

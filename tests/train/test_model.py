@@ -54,12 +54,14 @@ def test_shapes_and_blocks(model):
     assert int(aux.tokens_per_expert.sum()) == 2 * 16 * MICRO_MODEL.moe.top_k
 
 
+@pytest.mark.slow
 def test_every_block_moe():
     cfg = dataclasses.replace(MICRO_MODEL, moe_every=1)
     _, aux = _forward(LanguageModel(cfg, rngs=nnx.Rngs(0)), _tokens((1, 8)))
     assert aux.tokens_per_expert.shape[0] == cfg.n_layers == cfg.num_moe_layers
 
 
+@pytest.mark.slow
 def test_stacked_groups_and_a_dense_tail():
     """5 blocks with an MoE every 2nd: 2 groups (dense, MoE) stacked on a leading axis of 2,
     then one dense block; each stacked group holds its own weights."""
@@ -73,6 +75,7 @@ def test_stacked_groups_and_a_dense_tail():
     chex.assert_shape(aux.rounds, (2,))
 
 
+@pytest.mark.slow
 def test_scan_equals_the_blocks_one_by_one():
     """The scan over the stacked groups computes what applying each group in turn computes,
     bit for bit on the forward, and every remat policy gives the same loss and gradients."""
@@ -140,6 +143,7 @@ def _loss_and_grad_norm(cfg: ModelConfig, tokens):
     return nnx.jit(nnx.value_and_grad(loss))(model)
 
 
+@pytest.mark.slow
 def test_reference_and_xla_agree():
     """One device, no mesh: the two MoE implementations give the same loss and gradients
     within the f32 tolerance of mok_jax.tolerances."""

@@ -112,6 +112,7 @@ def test_schedule_warmup_and_cosine():
     np.testing.assert_allclose(float(lr(100)), cfg.min_lr_ratio, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_router_bias_update():
     cfg = dataclasses.replace(EIGHT, router_bias_rate=0.01)
     trainer = Trainer(MICRO_MODEL, cfg, make_train_mesh(cfg))
@@ -132,6 +133,7 @@ def test_bad_mesh_fits():
         Trainer(MICRO_MODEL, cfg, make_train_mesh(cfg))
 
 
+@pytest.mark.slow
 def test_data_expert_layout_matches_expert_layout():
     """2 x 4 (data x expert) and 1 x 8 meshes: the same losses within f32 rounding."""
     dp = dataclasses.replace(EIGHT, layout="data_expert", data_parallel=2)
@@ -143,6 +145,7 @@ def test_data_expert_layout_matches_expert_layout():
     assert losses[1] < losses[0]
 
 
+@pytest.mark.slow
 def test_bf16_model_steps():
     """The bf16 path (dense parts and experts in bf16, f32 weights, logits and loss): finite,
     falling loss."""

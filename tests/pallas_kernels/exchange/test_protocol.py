@@ -311,7 +311,7 @@ def simulate(variant: str, seed: int = 0, timeout: float = 240.0) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_the_protocol_runs_without_races_and_delivers_every_row(seed):
     result = simulate("correct", seed)
     assert result["rounds"] >= 2  # the case exercises the credits between rounds
@@ -319,13 +319,14 @@ def test_the_protocol_runs_without_races_and_delivers_every_row(seed):
     assert result["buffers_as_planned"] and result["rows_back"]
 
 
-@pytest.mark.parametrize("variant", ["overlap", "no_credit"])
+@pytest.mark.parametrize("variant", ["overlap", pytest.param("no_credit", marks=pytest.mark.slow)])
 def test_a_protocol_that_races_is_caught(variant):
     """Two sources writing the same slots, or a round overwriting a buffer still being read:
     the race detector reports it."""
     assert simulate(variant)["races_found"]
 
 
+@pytest.mark.slow
 def test_a_protocol_that_reads_too_soon_is_caught():
     """A tile computed one piece early reads slots whose copy has not landed (the model runs a
     copy only when it is waited for, so the read sees the buffer's NaN)."""
@@ -333,6 +334,7 @@ def test_a_protocol_that_reads_too_soon_is_caught():
     assert not result["buffers_as_planned"] and not result["rows_back"]
 
 
+@pytest.mark.slow
 def test_a_protocol_that_waits_for_a_piece_never_sent_deadlocks():
     # Control: the correct protocol on the same case, timed here and now (a loaded machine slows
     # both); the broken one gets three times as long and must still not finish.
