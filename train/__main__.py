@@ -90,8 +90,8 @@ def _train_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--layout",
         choices=MESH_LAYOUTS,
-        default="expert",
-        help="mesh layout: expert (1 x devices, EP = devices; the default) or data_expert",
+        help="mesh layout: expert (1 x devices, EP = devices; the default, or with --resume "
+        "the resumed run's) or data_expert",
     )
     p.add_argument(
         "--data-parallel",

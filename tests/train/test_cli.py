@@ -430,6 +430,8 @@ def test_resume_continues_the_saved_settings(tmp_path):
     saved = dataclasses.replace(
         preset.train, schedule_steps=50, warmup_steps=5, peak_lr=1e-3, seed=3, workdir=str(tmp_path)
     )
+    # A mesh layout other than the default, which a flag's default must not override.
+    saved = dataclasses.replace(saved, devices=4, layout="data_expert", data_parallel=2)
     write_config(tmp_path, preset.model, {"train": dataclasses.asdict(saved)})
     parse = _train_parser().parse_args
     _, train_cfg = _configs(parse(["--workdir", str(tmp_path), "--steps", "9", "--resume"]))
