@@ -134,7 +134,7 @@ ASSUMPTIONS = {
     ),
     "comm_sm_share": (
         "the fused kernels' copy programs hold their SMs for the whole kernel: 24 of the "
-        "H200's 132 (MoEConfig.exchange_programs), s = 0.18, and the same share on the GB300; "
+        "H200's 132 (MoEOptions.exchange_programs), s = 0.18, and the same share on the GB300; "
         "the routed GEMMs run on the rest, and the row-side memory passes (XLA kernels) do not "
         "overlap the transfer. On one H200 (a 1-device mesh, 16384 tokens of qwen3) the "
         "forward's two overlapped kernels took 2.82 ms against the bare GEMMs' 1.97: this "

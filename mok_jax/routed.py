@@ -1,6 +1,6 @@
 """The routed experts of one device: dispatch, expert GEMMs and return, in rounds.
 
-    y_nd = routed_experts(x_nd, w_gate, w_up, w_down, counts_se, spec)
+    y_nd, rounds = routed_experts(x_nd, (w_gate, w_up, w_down), group_sizes_e, spec, scale_n)
 
 x_nd are this device's N routed rows sorted by expert (so by destination device); the result
 is each row's expert output, f32, in the same order. Per round:
@@ -9,20 +9,21 @@ is each row's expert output, f32, in the same order. Per round:
   experts   tiled SwiGLU over the received rows               (`tiles.tiled_experts`)
   return    results travel back to the rows' devices
 
-With kernel "fused" the rows move inside kernels instead (issue 7): each round's dispatch and
+With kernel "fused" the rows move inside kernels instead: each round's dispatch and
 return are Mosaic GPU kernels of remote copies and semaphores (`pallas_kernels.exchange`; on the
 CPU their all_gather spec), into the tile-aligned expert-major buffer of
 `pallas_kernels.exchange.protocol`, whose groups the grouped-GEMM kernels read as they are; each
 row's routing weight travels with it and is applied in the down projection's epilogue, as on one
 device, so y and dx are the bits of the single-device `fused` implementation.
 
-The round count depends on the routing, so the loop is a `while_loop`, which reverse-mode
-autodiff cannot go through. `routed_experts` is therefore a `custom_vjp`: the backward runs the
-same rounds, recomputing each round's forward under `jax.vjp` (memory stays one round's worth)
-and adding the rounds' weight gradients in round order, in f32. With kernel "fused" the
-backward reads nothing of that forward (`pallas_kernels.exchange.ops` saves the rows and
-dispatches them again inside the backward's first GEMM's kernel): it is dead code, which XLA
-drops (session 15 counted the compiled kernels).
+The round count depends on the routing, so the loop is a `fori_loop` with a traced bound (a
+while loop), which reverse-mode autodiff cannot go through. `routed_experts` is therefore a
+`custom_vjp`: the backward runs the same rounds, recomputing each round's forward under
+`jax.vjp` (memory stays one round's worth) and adding the rounds' weight gradients in round
+order, in f32. With kernel "fused" the backward reads nothing of that forward
+(`pallas_kernels.exchange.ops` saves the rows and dispatches them again inside the backward's
+first GEMM's kernel): it is dead code, which XLA drops (a count of the compiled kernels showed
+it).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""One direction of the exchange as one Mosaic GPU kernel (issue 7): inside `jax.shard_map`,
+"""One direction of the exchange as one Mosaic GPU kernel: inside `jax.shard_map`,
 each device copies its rows of a round straight into the peers' outputs (remote refs) and
 signals a counter there once a copy; each device returns once each of its own counters has
 counted the copies the protocol says it gets. No collective launch, no host sync, no placement
@@ -7,40 +7,31 @@ by arrival: the tables (`Moves`) come from protocol.py. The forward's dispatch
 own positions, one counter) are both this kernel, with the two directions' tables, when they
 are not overlapped with the GEMMs (below).
 
-Status (2026-12-02): correct on the H200 with a 1-device mesh (the copies go to the device
-itself) and, as of session 12 (before the zero ranges moved after the copies and the tables
-were packed), across two H200s over NVLink (nvidia-h200-x2: the GPU tests, and `fused` at EP 2
-bitwise equal to one GPU; bench/results/2026-12-01_exchange_overlap_h200_s12/); it lowers for
-CUDA inside shard_map on 8 devices (CI). Rows move through shared memory in boxes of whole rows
-(up to 64 KiB), one load and one store in flight a copier (~10-13 GB/s a copier in HBM).
-`dispatch_swiglu` (below) runs the forward's dispatch inside the gate/up GEMMs' kernel, each
-GEMM tile starting once its rows are in, and `down_return` the return inside the down
-projection's kernel, each piece leaving once its rows are stored (both bitwise equal to the
-separate kernels on one H200, session 13, bench/results/2026-12-01_exchange_tail_h200_s13/;
-`dispatch_swiglu` also across two H200s in its session-12 form, `down_return` not; neither in
-its current form). `dispatch_down_grad` runs the backward's dispatch (the results'
-cotangent) inside the kernel of its first GEMM, g = dy @ w_down.T, as `dispatch_swiglu` does
-(bitwise equal to the separate kernels on one H200, session 14,
-bench/results/2026-12-01_exchange_backward_h200_s14/), and `dgrad_return` the input
-gradient's GEMM with the return of d_x (`down_return`'s kernel with another GEMM; bitwise equal
-to the separate kernels on one H200, session 15,
-bench/results/2026-12-01_exchange_backward_h200_s15/). Since session 15 the backward's
-dispatch carries the forward's rows and their weights too (the backward saves the rows, not
-the buffer), and `dgrad_return` the routing weights' gradient with d_x: each copy of the
-layer's forward and backward runs inside a GEMM's kernel. Session 16 added the reader's proxy
-fence (invariant 6): the layer and the twins passed on one H200 with fences at both ends of
-every crossing (bench/results/2026-12-01_exchange_h200_s16/, call 3); the final form, the
-reader's fence alone and once after its waits, passed the layer test and the dispatch kernels'
-twins on one H200 in session 19 (bench/results/2026-12-02_exchange_h200_s19/).
-`dispatch_mlp_return` (session 17) runs the whole forward of a round in one kernel: the
-dispatch, the gate/up tiles, the down tiles (each once its row tile of h is stored) and the
-return; it lowers for CUDA inside shard_map on 8 devices (CI). On one H200 (session 19) its
-4 twins were bitwise equal to the separate kernels, and the layer with it at one round (MoEConfig.
-exchange_fusion="forward", not the default) gave y and dx the bits of no mesh, 2.81 / 6.99 ms
-forward / forward+backward against per_gemm's 2.85 / 7.21 (qwen3_30b_a3b, 4096 tokens, a
-1-device mesh, f32 parameters; bench/results/2026-12-02_exchange_h200_s19/). In session 20,
-with bf16 parameters, it was the slower: 2.13 / 6.04 ms against 1.97 / 5.75; the layer's GPU
-test passed with it at several rounds (bench/results/2026-12-02_exchange_h200_s20/).
+What has run on GPUs (result folders under bench/results/): with a 1-device mesh (the copies go
+to the device itself) on one H200, and across two H200s over NVLink, where `fused` at EP 2 gave
+the bits of one GPU (2026-12-01_exchange_overlap_h200_s12/, before the zero ranges moved after
+the copies and the tables were packed). It lowers for CUDA inside shard_map on 8 devices (a CPU
+test). Rows move through shared memory in boxes of whole rows (up to 64 KiB), one load and one
+store in flight a copier (~10-13 GB/s a copier in HBM).
+
+The overlapped kernels run each copy of the layer inside a GEMM's kernel:
+- `dispatch_swiglu`: the forward's dispatch inside the gate/up GEMMs' kernel, each GEMM tile
+  starting once its rows are in.
+- `down_return`: the return inside the down projection's kernel, each piece leaving once its
+  rows are stored.
+- `dispatch_down_grad`: the backward's dispatch (the results' cotangent, with the forward's rows
+  and their weights: the backward saves the rows, not the buffer) inside the kernel of its first
+  GEMM, g = dy @ w_down.T.
+- `dgrad_return`: the input gradient's GEMM with the return of d_x and of the routing weights'
+  gradient.
+- `dispatch_mlp_return`: the whole forward of a round in one kernel (the dispatch, the gate/up
+  tiles, the down tiles, each once its row tile of h is stored, and the return), used under
+  `MoEOptions.exchange_fusion="forward"`.
+Each gave the bits of the separate kernels on one H200 (2026-12-01_exchange_tail_h200_s13/,
+2026-12-01_exchange_backward_h200_s14/ and _s15/, 2026-12-02_exchange_h200_s19/);
+`dispatch_swiglu` also across two H200s in an earlier form. With bf16 parameters
+`dispatch_mlp_return` was the slower (2.13 / 6.04 ms forward / forward+backward against the
+per-GEMM kernels' 1.97 / 5.75 at qwen3_30b_a3b, 4096 tokens; 2026-12-02_exchange_h200_s20/).
 
 Invariants (send_rows; the overlapped dispatch's O1-O3, down_return's R1-R3 and the forward
 kernel's F1-F3 are in their bodies):
@@ -61,7 +52,7 @@ kernel's F1-F3 are in their bodies):
      XLA merges equal constants: a table that is a constant array of zeros of the counters'
      shape (the return's empty zero ranges, [1], against its one counter) became the
      counters' own buffer, so the kernel read its zero ranges from the counters as they
-     counted (session 13: rows [13, 26) of a return zeroed after 13 arrivals). The same
+     counted (seen on an H200: rows [13, 26) of a return zeroed after 13 arrivals). The same
      holds for the overlapped kernels (dispatch_swiglu, dispatch_down_grad, down_return,
      dgrad_return).
   6. Rows move through the async proxy (bulk copies, the GEMMs' TMA loads and stores), the
@@ -72,8 +63,8 @@ kernel's F1-F3 are in their bodies):
      waits that precede bulk loads of rows another block or device stored, it runs
      `fence.proxy.async.global` once (PROXY_FENCE, `_async_proxy_fence`) before loading (the
      overlapped GEMMs' producers and the return's copiers; send_rows loads nothing after its
-     waits). Added in session 16, for rows written by peers over NVLink: no run on one GPU had
-     shown a stale row without it.
+     waits). It is there for rows written by peers over NVLink: no run on one GPU had shown a
+     stale row without it.
 """
 
 from __future__ import annotations
@@ -174,7 +165,7 @@ def _programs(exchange_programs: int | None) -> tuple[int, int]:
     programs = tuning.persistent_grid_size()
     if not 0 < exchange_programs < programs:
         raise ValueError(
-            f"exchange_programs={exchange_programs} (MoEConfig.exchange_programs) must be in "
+            f"exchange_programs={exchange_programs} (MoEOptions.exchange_programs) must be in "
             f"[1, {programs}): this GPU runs {programs} programs, and some must run the GEMMs"
         )
     return exchange_programs, programs
@@ -323,7 +314,7 @@ def copy_piece_pipelined(
     load and stores; the rest (fewer than B rows) then moves by `copy_piece`, through stage 0.
     Returns once the stores have completed. The kernels' `copy_stages` > 1 (not the layer's
     default): bitwise on the H200; 15-20 % faster than `copy_piece` for `send_rows` alone on
-    all blocks, no faster at the layer's default exchange programs (session 14).
+    all blocks, no faster at the layer's default exchange programs.
 
     Each stage is reloaded only after the store that read it has read it (the previous box's:
     `wait_smem_to_gmem(0, wait_read_only=True)` before the load, the later box's store not yet
@@ -522,7 +513,7 @@ def send_rows(
     round_index int32 []. axis_name: the mesh axis of the peers (of size 1, the copies are
     local). num_blocks: the kernel's blocks (default: one a streaming multiprocessor).
     copy_stages: 1 (`copy_piece`), or 2 or 4 (`copy_piece_pipelined` through that many
-    stages of the same shared memory; timed in session 14: faster alone on all blocks, not
+    stages of the same shared memory; timed on the H200: faster alone on all blocks, not
     at the layer's default exchange programs).
     """
     moves.check()
@@ -931,8 +922,8 @@ def dispatch_down_grad(
     group_sizes_g, transpose_rhs=True, out_dtype=f32)`, bit for bit): copy programs move the
     rows of dy [A, D] (bf16: the cotangent as the GEMMs read it) and, with the same tables,
     of each side [A, C] (a row a multiple of 16 bytes: the layer's are the forward's rows
-    and their routing weights, which the backward recomputes from and scales dy by; until
-    session 20 also dy times the weight, rounded, now formed at the buffer), and each GEMM
+    and their routing weights, which the backward recomputes from and scales dy by; dy
+    times the weight is formed at the buffer), and each GEMM
     tile starts once the rows it stores are in. Call inside `jax.shard_map` over
     `axis_name`."""
     _check_sides(sides, dy_ad.shape[0], f"dy's rows {dy_ad.shape}")
@@ -1409,8 +1400,8 @@ def dispatch_mlp_return(
     of the dispatched side in its epilogue. out is the rows every device's
     `back` copies here (rows of other rounds unspecified), zeros in `back`'s zero ranges;
     buffer and side rows no copy or zero range fills are unspecified. Call inside
-    `jax.shard_map` over `axis_name`. Written in session 17; bitwise equal to the separate
-    kernels on one H200 in session 19 (its GPU twin)."""
+    `jax.shard_map` over `axis_name`. Bitwise equal to the separate kernels on one H200 (its
+    GPU twin)."""
     num_tiles = _check_dispatch(moves, tile=tile, out_rows=out_rows)
     _check_return(back)
     _check_copy_stages(copy_stages)

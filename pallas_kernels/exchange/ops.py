@@ -381,7 +381,7 @@ def dispatch_mlp(
 
     exchange_fusion (`ExchangeFusion`): "forward" (with exchange_programs > 0, on a GPU) runs
     the forward's dispatch, GEMMs and return in one kernel (`mosaic_gpu.dispatch_mlp_return`,
-    the same bits: its GPU twins on one H200, session 19); "per_gemm", or exchange_programs
+    the same bits: its GPU twins on one H200); "per_gemm", or exchange_programs
     0, as above."""
     if exchange_programs is None:
         exchange_programs = tuning.default_exchange_programs()

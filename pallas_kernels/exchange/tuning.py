@@ -12,7 +12,7 @@ import jax
 from pallas_kernels.grouped_matmul import tuning as gmm_tuning
 
 # Programs (one a streaming multiprocessor) of an overlapped kernel that run the exchange's
-# copies while the others run its GEMM tiles (`MoEConfig.exchange_programs`; 0: the copies in
+# copies while the others run its GEMM tiles (`MoEOptions.exchange_programs`; 0: the copies in
 # kernels of their own). On one H200, at qwen3_30b_a3b's round with an EP > 1 buffer, the
 # forward's two kernels took 1.53 ms at 24, 1.66 at 16 and 1.71 as separate kernels
 # (bench/results/2026-12-01_exchange_tail_h200_s13/); the layer's backward with the routing, on
