@@ -1,8 +1,13 @@
-"""The exchange's kernel (`send_rows`, one direction of a round): it lowers for CUDA inside
-shard_map on 8 devices (CI, on the CPU), rejects bad tables, and its spec (reference.py), with
-the protocol's tables, puts every row where the protocol says and brings every row back. On
-GPUs (a 1-device mesh on one GPU: the exchange's copies go to itself) its buffers are the
-planned ones, bit for bit, round by round."""
+"""The exchange's kernels (exchange/mosaic_gpu.py) and the harness that runs a round of each
+inside shard_map: `send_rows` (one direction of a round) and the kernels that overlap the copies
+with the expert GEMMs (dispatch_swiglu, dispatch_down_grad, down_return, dgrad_return,
+dispatch_mlp_return). Their contracts (lowering for CUDA inside shard_map on 8 devices, with
+their launches' invariants; on GPUs, the bits of the protocol's plan or of separate kernels,
+round by round) are rows of tests/pallas_kernels/test_contracts.py, which runs this file's
+harness (`dispatch_fn`, `*_fn`, `*_inputs`, `planned_buffers`, `specified_slots`). Here: the
+spec (reference.py) puts every row where the protocol says and back; the copies and zero ranges
+in GPU interpret mode (semaphores aside); the tables no operand can share; the protocol's waits
+replayed on the host; bad tables and arguments."""
 
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.exchange import Moves, mosaic_gpu, reference
 from pallas_kernels.exchange import protocol as xp
+from pallas_kernels.mesh import like
 
 AXIS = "expert"
 
@@ -65,6 +71,25 @@ def placed(mesh, x, counts_se, round_index):
     return put(x, P(AXIS)), put(counts_se, P()), put(jnp.int32(round_index), P())
 
 
+# The sizes the exchange's kernels are lowered (and traced) at on this machine: 8 devices, 4
+# experts and 512 rows a device, a 640-row window in tiles of 64, D and F of qwen3.
+EP, NUM_LOCAL, NUM_ROWS, WINDOW, TILE, D_MODEL, D_FF = 8, 4, 512, 640, 64, 2048, 768
+
+
+def sharded(mesh, shape, dtype, spec: P | None = None) -> jax.ShapeDtypeStruct:
+    """An abstract argument of `shape`, placed on `mesh` as `spec` says (default: split along
+    AXIS)."""
+    spec = P(AXIS) if spec is None else spec
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.NamedSharding(mesh, spec))
+
+
+def round_arguments(mesh) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
+    """The abstract counts [EP, E] and round index [] of a round, replicated."""
+    num_devices = mesh.devices.size
+    return (sharded(mesh, (num_devices, num_devices * NUM_LOCAL), jnp.int32, P()),
+            sharded(mesh, (), jnp.int32, P()))  # fmt: skip
+
+
 def assert_no_operand_can_share_the_counters(text: str) -> None:
     """Invariant 5 of the exchange's kernels: in every Mosaic GPU call of the lowering, the
     counters' zero operand (aliased to an output, written in place) has a type no other
@@ -93,39 +118,6 @@ def assert_fences(text: str, *, fenced: bool) -> None:
     calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
     assert calls
     assert [mosaic_gpu.PROXY_FENCE in line for line in calls] == [fenced] * len(calls)
-
-
-@pytest.mark.parametrize("copy_stages", [1, 4])
-def test_dispatch_lowers_for_cuda_inside_shard_map_on_8_devices(copy_stages):
-    num_devices, num_local, num_rows, window, tile, d_model = 8, 4, 512, 640, 64, 2048
-    mesh = jax.make_mesh((num_devices,), (AXIS,))
-    body, _ = dispatch_fn(num_local, num_rows, window, tile, kernel=True, num_blocks=132,
-                          copy_stages=copy_stages)  # fmt: skip
-    fn = jax.jit(
-        jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS), P(), P()), out_specs=(P(AXIS),) * 2)
-    )
-    args = (
-        jax.ShapeDtypeStruct((num_devices * num_rows, d_model), jnp.bfloat16,
-                             sharding=jax.NamedSharding(mesh, P(AXIS))),
-        jax.ShapeDtypeStruct((num_devices, num_devices * num_local), jnp.int32,
-                             sharding=jax.NamedSharding(mesh, P())),
-        jax.ShapeDtypeStruct((), jnp.int32, sharding=jax.NamedSharding(mesh, P())),
-    )  # fmt: skip
-    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert re.search(r"custom_call @mosaic_gpu", text), "no Mosaic GPU kernel in the lowering"
-    # Peers are addressed through XLA's collective metadata, and the launch keeps its device
-    # barrier (invariant 4).
-    assert "uses_xla_collective_metadata = true" in text
-    assert "skip_device_barrier = false" in text
-    # The dispatch's tile counters are one set for the kernel, zeroed before each launch: U
-    # counters, not one set per block (what kernel scratch semaphores would be); the return
-    # has one counter.
-    num_tiles = xp.num_tiles(window, tile, num_local)
-    assert re.search(rf"dims = \[\] : \(tensor<i32>\) -> tensor<{num_tiles}xi32>", text)
-    assert f"tensor<{132 * num_tiles}xi32>" not in text
-    assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 2
-    assert_no_operand_can_share_the_counters(text)
-    assert_fences(text, fenced=False)
 
 
 def test_the_return_tables_cannot_share_its_one_counter():
@@ -439,46 +431,6 @@ def test_stage_rows_kinds_and_sides():
 
 
 # ---------------------------------------------------------------------------------------------
-# GPU: the kernel against the reference, on a mesh of every GPU there is (one GPU: the
-# exchange's copies all go to the device itself).
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(
-    "num_local,num_rows,window,tile,copy_stages",
-    [(4, 4096, 3072, 64, 1), (3, 200, 96, 8, 1), (4, 4096, 3072, 64, 2), (3, 200, 96, 8, 4)],
-)
-def test_gpu_dispatch_and_return_place_every_row(num_local, num_rows, window, tile, copy_stages):
-    devices = jax.devices()
-    num_devices, d_model = len(devices), 2048
-    counts_se = random_counts(1, num_devices, num_local, num_rows)
-    x = jax.random.normal(jax.random.key(0), (num_devices * num_rows, d_model), jnp.float32)
-    x = x.astype(jnp.bfloat16)
-    x_snd = np.asarray(x).reshape(num_devices, num_rows, d_model)
-    want, _, rounds = planned_buffers(counts_se, x_snd, num_local, window, tile)
-    assert rounds >= 2  # the window holds less than a device gets: several rounds
-    mesh = jax.make_mesh((num_devices,), (AXIS,), devices=devices)
-    specs = dict(mesh=mesh, in_specs=(P(AXIS), P(), P()), out_specs=(P(AXIS),) * 2)
-    kernel, slots = dispatch_fn(num_local, num_rows, window, tile, kernel=True,
-                                copy_stages=copy_stages)  # fmt: skip
-    kernel = jax.jit(jax.shard_map(kernel, **specs))
-    t = xp.traffic(jnp.asarray(counts_se), num_local)
-    for r in range(rounds):
-        buf, back = (np.asarray(a) for a in kernel(*placed(mesh, x, counts_se, r)))
-        # Every slot the dispatch specifies: the rows as planned, zeros in its zero ranges.
-        specified = specified_slots(counts_se, num_local, num_rows, window, tile, r)
-        chex.assert_trees_all_equal(
-            buf.reshape(num_devices, slots, -1)[specified], want[:, r][specified]
-        )
-        # The return: every row of the round back in place (the others are unspecified).
-        rows = planned_returns(counts_se, x_snd, num_local, window, tile, r)
-        for s in range(num_devices):
-            mine = np.asarray(xp.row_places(t, jnp.int32(s), num_rows, window, tile).round_n) == r
-            got = back.reshape(num_devices, num_rows, -1)[s][mine]
-            chex.assert_trees_all_equal(got, rows[s][mine])
-
-
-# ---------------------------------------------------------------------------------------------
 # The dispatch overlapped with the first GEMMs (`dispatch_swiglu`).
 
 
@@ -514,7 +466,7 @@ def dispatch_swiglu_fn(num_local, num_rows, window, tile, *, exchange_programs: 
         send = functools.partial(mosaic_gpu.send_rows, axis_name=AXIS, out_rows=slots)
         buf = send(x, dispatch, round_index)
         h = grouped.gmm_swiglu(buf, w_gate, w_up, group_sizes)
-        return buf, send(side, dispatch, round_index), mosaic_gpu._like(h, buf)
+        return buf, send(side, dispatch, round_index), like(h, buf)
 
     return body, slots
 
@@ -533,40 +485,18 @@ def dispatch_swiglu_inputs(mesh, num_local, num_rows, d_model, d_ff, seed=0):
     return put(x.astype(jnp.bfloat16)), put(side), *(put(a.astype(jnp.bfloat16)) for a in w)
 
 
-@pytest.mark.parametrize("copy_stages", [1, 2, 4])
-def test_dispatch_swiglu_lowers_for_cuda_inside_shard_map_on_8_devices(copy_stages):
-    """One kernel for the dispatch of the rows and their weights and the gate/up GEMMs, its
-    peers addressed through XLA's collective metadata, its U tile counters one set for the
-    kernel; bad arguments raise."""
-    num_devices, num_local, num_rows, window, tile = 8, 4, 512, 640, 64
-    d_model, d_ff = 2048, 768
-    mesh = jax.make_mesh((num_devices,), (AXIS,))
-    body, _ = dispatch_swiglu_fn(num_local, num_rows, window, tile, exchange_programs=16,
-                                 copy_stages=copy_stages)  # fmt: skip
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS),) * 4 + (P(), P()),
-                               out_specs=(P(AXIS),) * 3))  # fmt: skip
-    sharded = lambda shape, dtype, spec: jax.ShapeDtypeStruct(  # noqa: E731
-        shape, dtype, sharding=jax.NamedSharding(mesh, spec)
-    )
+def test_dispatch_swiglu_refuses_all_programs_copying_or_more_than_the_sms():
+    """Every program copying (no GEMM program left), or more programs than SMs: refused."""
+    mesh = jax.make_mesh((EP,), (AXIS,))
     args = (
-        sharded((num_devices * num_rows, d_model), jnp.bfloat16, P(AXIS)),
-        sharded((num_devices * num_rows, 4), jnp.float32, P(AXIS)),
-        sharded((num_devices * num_local, d_model, d_ff), jnp.bfloat16, P(AXIS)),
-        sharded((num_devices * num_local, d_model, d_ff), jnp.bfloat16, P(AXIS)),
-        sharded((num_devices, num_devices * num_local), jnp.int32, P()),
-        sharded((), jnp.int32, P()),
+        sharded(mesh, (EP * NUM_ROWS, D_MODEL), jnp.bfloat16),
+        sharded(mesh, (EP * NUM_ROWS, 4), jnp.float32),
+        sharded(mesh, (EP * NUM_LOCAL, D_MODEL, D_FF), jnp.bfloat16),
+        sharded(mesh, (EP * NUM_LOCAL, D_MODEL, D_FF), jnp.bfloat16),
+        *round_arguments(mesh),
     )
-    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
-    assert "uses_xla_collective_metadata = true" in text
-    assert "skip_device_barrier = false" in text
-    num_tiles = xp.num_tiles(window, tile, num_local)
-    assert re.search(rf"dims = \[\] : \(tensor<i32>\) -> tensor<{num_tiles}xi32>", text)
-    assert_no_operand_can_share_the_counters(text)
-    assert_fences(text, fenced=True)
-    # Every program copying (no GEMM program left), or more programs than SMs: refused.
     for programs in (132, 500):
-        bad, _ = dispatch_swiglu_fn(num_local, num_rows, window, tile, exchange_programs=programs)
+        bad, _ = dispatch_swiglu_fn(NUM_LOCAL, NUM_ROWS, WINDOW, TILE, exchange_programs=programs)
         bad = jax.jit(jax.shard_map(bad, mesh=mesh, in_specs=(P(AXIS),) * 4 + (P(), P()),
                                     out_specs=(P(AXIS),) * 3))  # fmt: skip
         with pytest.raises(ValueError, match="exchange_programs"):
@@ -589,6 +519,7 @@ def test_zero_signals_count_the_padding_inside_the_groups():
     chex.assert_trees_all_equal(wait, jnp.asarray([2, 2, 1, 2, 0], jnp.int32))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "seed,num_devices,num_local,num_rows,window,tile",
     [(0, 1, 3, 200, 96, 8), (1, 2, 2, 64, 48, 4), (2, 4, 2, 40, 30, 3), (3, 3, 4, 120, 200, 16)],
@@ -669,49 +600,6 @@ def test_overlapped_waits_cover_every_stored_row(
             assert set(np.flatnonzero(signals)) <= waited, (r, d)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize(
-    "num_local,num_rows,window,tile,exchange_programs,copy_stages",
-    [(4, 4096, 3072, 64, 16, 1), (3, 200, 96, 8, 1, 1), (8, 4096, 6144, 64, 64, 1),
-     (4, 4096, 3072, 64, 16, 2), (3, 200, 96, 8, 1, 4)],
-)  # fmt: skip
-def test_gpu_dispatch_swiglu_gives_the_bits_of_the_separate_kernels(
-    num_local, num_rows, window, tile, exchange_programs, copy_stages
-):
-    """The overlapped kernel's buffer, weights and h are those of send_rows then gmm_swiglu,
-    bit for bit, in every slot the dispatch specifies (filled or zeroed) and, for h, in every
-    slot (past the groups, zeros), round by round, with few copy programs and many."""
-    devices = jax.devices()
-    mesh = jax.make_mesh((len(devices),), (AXIS,), devices=devices)
-    d_model, d_ff = 2048, 768
-    counts_se = random_counts(2, len(devices), num_local, num_rows)
-    t = xp.traffic(jnp.asarray(counts_se), num_local)
-    rounds = int(xp.window_rounds(t, window))
-    specs = dict(mesh=mesh, in_specs=(P(AXIS),) * 4 + (P(), P()), out_specs=(P(AXIS),) * 3)
-    runs = [
-        jax.jit(jax.shard_map(dispatch_swiglu_fn(num_local, num_rows, window, tile,
-                                                 exchange_programs=c, copy_stages=copy_stages)[0],
-                              **specs))
-        for c in (exchange_programs, 0)
-    ]  # fmt: skip
-    put = lambda a: jax.device_put(jnp.asarray(a), jax.NamedSharding(mesh, P()))  # noqa: E731
-    for r in range(rounds):
-        # Other inputs each round (as in the down_return twin: no stale buffer can pass).
-        inputs = dispatch_swiglu_inputs(mesh, num_local, num_rows, d_model, d_ff, seed=r)
-        got, want = (run(*inputs, put(counts_se), put(jnp.int32(r))) for run in runs)
-        specified = specified_slots(counts_se, num_local, num_rows, window, tile, r)
-        assert_specified_equal(got[:2], want[:2], specified)
-        chex.assert_trees_all_equal(got[2], want[2])
-
-
-def assert_specified_equal(got, want, specified) -> None:
-    """The dispatched arrays got and want (each [EP * S, C]) are equal, bit for bit, in every
-    slot the dispatch specifies (`specified_slots`, [EP, S])."""
-    for a, b in zip(got, want, strict=True):
-        a, b = (np.asarray(x).reshape(*specified.shape, -1) for x in (a, b))
-        chex.assert_trees_all_equal(a[specified], b[specified])
-
-
 # ---------------------------------------------------------------------------------------------
 # The backward's dispatch overlapped with its first GEMM (`dispatch_down_grad`).
 
@@ -739,7 +627,7 @@ def dispatch_down_grad_fn(num_local, num_rows, window, tile, *, exchange_program
         buf = send(dy, dispatch, round_index)
         g = grouped.gmm(buf, w_down, group_sizes, transpose_rhs=True, out_dtype=jnp.float32)
         sides_s = tuple(send(side, dispatch, round_index) for side in sides)
-        return buf, sides_s, mosaic_gpu._like(g, buf)
+        return buf, sides_s, like(g, buf)
 
     return body, slots
 
@@ -752,9 +640,8 @@ def dispatch_down_grad_specs(mesh, num_sides: int) -> dict:
 
 def dispatch_down_grad_inputs(mesh, num_local, num_rows, d_model, d_ff, num_sides, seed=0):
     """Random (w_down, dy, *sides) for dispatch_down_grad_fn, placed on `mesh`: bf16 w_down
-    and dy; sides of the layer's kinds, two bf16 [N, D] arrays (until session 20 the layer
-    sent dy times the weights and the rows x; now x alone) and the weights (f32 [N, 4]), the
-    first `num_sides` of them."""
+    and dy; sides of the layer's kinds, two bf16 [N, D] arrays (the layer sends one, x) and
+    the weights (f32 [N, 4]), the first `num_sides` of them."""
     num_devices = mesh.devices.size
     keys = jax.random.split(jax.random.key(seed), 5)
     w_down = jax.random.normal(keys[0], (num_devices * num_local, d_ff, d_model)) / d_model**0.5
@@ -765,96 +652,36 @@ def dispatch_down_grad_inputs(mesh, num_local, num_rows, d_model, d_ff, num_side
     return tuple(put(a) for a in arrays[: 2 + num_sides])
 
 
-# dispatch_down_grad's custom call with three sides (the layer's until session 20; it now sends
-# the last two): dy, a second bf16 array and x [S, D] bf16, the weights [S, 4] f32, g [S, F] f32.
+# dispatch_down_grad's custom call with three sides (the layer sends the last two): dy, a second
+# bf16 array and x [S, D] bf16, the weights [S, 4] f32, g [S, F] f32.
 DOWN_GRAD_CALL = (
     r"custom_call @mosaic_gpu.*-> \(tensor<(\d+)x(\d+)xbf16>, tensor<\1x\2xbf16>, "
     r"tensor<\1x\2xbf16>, tensor<\1x4xf32>, tensor<\1x\d+xf32>"
 )
 
 
-@pytest.mark.parametrize("copy_stages", [1, 4])
-def test_dispatch_down_grad_lowers_for_cuda_inside_shard_map_on_8_devices(copy_stages):
-    """One kernel for a backward dispatch of three sides (dy, two bf16 arrays and the
-    weights, with one set of tables; the layer sends dy, x and the weights) and g = dy @
-    w_down[g].T, its peers addressed through XLA's collective metadata, its tile counters
-    one set for the kernel; bad arguments raise."""
-    num_devices, num_local, num_rows, window, tile = 8, 4, 512, 640, 64
-    d_model, d_ff = 2048, 768
-    mesh = jax.make_mesh((num_devices,), (AXIS,))
+def test_dispatch_down_grad_refuses_a_w_down_of_another_shape_and_sides_of_other_rows():
+    mesh = jax.make_mesh((EP,), (AXIS,))
     specs = dispatch_down_grad_specs(mesh, num_sides=3)
-    body, slots = dispatch_down_grad_fn(num_local, num_rows, window, tile, exchange_programs=16,
-                                        copy_stages=copy_stages)  # fmt: skip
-    sharded = lambda shape, dtype, spec: jax.ShapeDtypeStruct(  # noqa: E731
-        shape, dtype, sharding=jax.NamedSharding(mesh, spec)
-    )
-    rows = sharded((num_devices * num_rows, d_model), jnp.bfloat16, P(AXIS))
+    body, _ = dispatch_down_grad_fn(NUM_LOCAL, NUM_ROWS, WINDOW, TILE, exchange_programs=16)
+    fn = jax.jit(jax.shard_map(body, **specs))
+    rows = sharded(mesh, (EP * NUM_ROWS, D_MODEL), jnp.bfloat16)
     args = (
-        sharded((num_devices * num_local, d_ff, d_model), jnp.bfloat16, P(AXIS)),
-        sharded((num_devices, num_devices * num_local), jnp.int32, P()),
-        sharded((), jnp.int32, P()),
+        sharded(mesh, (EP * NUM_LOCAL, D_FF, D_MODEL), jnp.bfloat16),
+        *round_arguments(mesh),
         rows,
         rows,
         rows,
-        sharded((num_devices * num_rows, 4), jnp.float32, P(AXIS)),
+        sharded(mesh, (EP * NUM_ROWS, 4), jnp.float32),
     )
-    text = jax.jit(jax.shard_map(body, **specs)).trace(*args).lower(
-        lowering_platforms=("cuda",)
-    ).as_text()  # fmt: skip
-    assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
-    found = re.search(DOWN_GRAD_CALL, text)
-    assert found and found.groups() == (str(slots), str(d_model)), found
-    assert f"x{d_ff}xf32>" in found.group(0)
-    assert "uses_xla_collective_metadata = true" in text
-    assert "skip_device_barrier = false" in text
-    assert_no_operand_can_share_the_counters(text)
-    assert_fences(text, fenced=True)
     # w_down of another width than dy, or not of rank 3, or a side of other rows: refused.
-    for w_down, match in (((num_devices * num_local, d_ff, 1024), "D=2048 must equal w_down"),
-                          ((num_devices * num_local, d_ff), "rank 3")):  # fmt: skip
-        bad_args = (sharded(w_down, jnp.bfloat16, P(AXIS)), *args[1:])
+    for w_down, match in (((EP * NUM_LOCAL, D_FF, 1024), "D=2048 must equal w_down"),
+                          ((EP * NUM_LOCAL, D_FF), "rank 3")):  # fmt: skip
         with pytest.raises(ValueError, match=match):
-            jax.jit(jax.shard_map(body, **specs)).trace(*bad_args)
-    short = sharded((num_devices * (num_rows - 8), 4), jnp.float32, P(AXIS))
+            fn.trace(sharded(mesh, w_down, jnp.bfloat16), *args[1:])
+    short = sharded(mesh, (EP * (NUM_ROWS - 8), 4), jnp.float32)
     with pytest.raises(ValueError, match="side rows"):
-        jax.jit(jax.shard_map(body, **specs)).trace(*args[:-1], short)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(
-    "num_local,num_rows,window,tile,exchange_programs,num_sides,copy_stages",
-    [(4, 4096, 3072, 64, 16, 1, 1), (4, 4096, 3072, 64, 16, 3, 1), (3, 200, 96, 8, 1, 3, 1),
-     (8, 4096, 6144, 64, 64, 3, 1), (3, 200, 96, 8, 1, 3, 4)],
-)  # fmt: skip
-def test_gpu_dispatch_down_grad_gives_the_bits_of_the_separate_kernels(
-    num_local, num_rows, window, tile, exchange_programs, num_sides, copy_stages
-):
-    """The overlapped kernel's dy, its sides (three arrays in two kinds of stage: two bf16
-    [A, D], the layer's x among them, and the weights) and g are those of send_rows (for
-    each) then the transposed gmm, bit for bit, round by round: the dispatched arrays in
-    every slot the dispatch specifies, g in every slot."""
-    devices = jax.devices()
-    mesh = jax.make_mesh((len(devices),), (AXIS,), devices=devices)
-    d_model, d_ff = 2048, 768
-    counts_se = random_counts(3, len(devices), num_local, num_rows)
-    t = xp.traffic(jnp.asarray(counts_se), num_local)
-    rounds = int(xp.window_rounds(t, window))
-    specs = dispatch_down_grad_specs(mesh, num_sides)
-    runs = [
-        jax.jit(jax.shard_map(
-            dispatch_down_grad_fn(num_local, num_rows, window, tile, exchange_programs=c,
-                                  copy_stages=copy_stages)[0], **specs
-        ))
-        for c in (exchange_programs, 0)
-    ]  # fmt: skip
-    put = lambda a: jax.device_put(jnp.asarray(a), jax.NamedSharding(mesh, P()))  # noqa: E731
-    for r in range(rounds):
-        w_down, *rows = dispatch_down_grad_inputs(mesh, num_local, num_rows, d_model, d_ff,
-                                                  num_sides, seed=r)  # fmt: skip
-        got, want = (run(w_down, put(counts_se), put(jnp.int32(r)), *rows) for run in runs)
-        specified = specified_slots(counts_se, num_local, num_rows, window, tile, r)
-        assert_specified_equal((got[0], *got[1]), (want[0], *want[1]), specified)
-        chex.assert_trees_all_equal(got[2], want[2])
+        fn.trace(*args[:-1], short)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -879,22 +706,10 @@ def down_return_fn(num_local, num_rows, window, tile, *, exchange_programs: int,
                 axis_name=AXIS, exchange_programs=exchange_programs, copy_stages=copy_stages,
             )  # fmt: skip
         y = grouped.gmm(h, w_down, group_sizes, row_scale_m=scale, out_dtype=jnp.float32)
-        y = mosaic_gpu._like(y, h)
+        y = like(y, h)
         return y, mosaic_gpu.send_rows(y, back, round_index, out_rows=num_rows, axis_name=AXIS)
 
     return body, slots
-
-
-def assert_round_rows_equal(got, want, t, round_index, num_rows, window, tile):
-    """Every device's rows of round `round_index` in got and want ([EP * N, D], the rows back
-    at their sources; other rounds' rows unspecified) are equal, bit for bit (bf16 compared
-    through its exact f32 values)."""
-    num_devices = got.shape[0] // num_rows
-    got, want = (np.asarray(a, np.float32).reshape(num_devices, num_rows, -1) for a in (got, want))
-    for s in range(num_devices):
-        places = xp.row_places(t, jnp.int32(s), num_rows, window, tile)
-        mine = np.asarray(places.round_n) == round_index
-        chex.assert_trees_all_equal(got[s][mine], want[s][mine])
 
 
 def down_return_inputs(mesh, num_local, slots, d_model, d_ff, seed=0):
@@ -908,57 +723,30 @@ def down_return_inputs(mesh, num_local, slots, d_model, d_ff, seed=0):
     return put(h.astype(jnp.bfloat16)), put(scale), put(w.astype(jnp.bfloat16))
 
 
-@pytest.mark.parametrize("copy_stages", [1, 2, 4])
-def test_down_return_lowers_for_cuda_inside_shard_map_on_8_devices(copy_stages):
-    """One kernel for the down projection and the return, its peers addressed through XLA's
-    collective metadata, its counters (a row tile each, and the arrivals) one set for the
-    kernel; bad arguments raise."""
-    from pallas_kernels.grouped_matmul import mosaic_gpu as grouped
-
-    num_devices, num_local, num_rows, window, tile = 8, 4, 512, 640, 64
-    d_model, d_ff = 2048, 768
-    mesh = jax.make_mesh((num_devices,), (AXIS,))
-    body, slots = down_return_fn(num_local, num_rows, window, tile, exchange_programs=16,
-                                 copy_stages=copy_stages)  # fmt: skip
+def test_down_return_refuses_bad_programs_and_gemm_inputs():
+    mesh = jax.make_mesh((EP,), (AXIS,))
     specs = dict(mesh=mesh, in_specs=(P(AXIS),) * 3 + (P(), P()), out_specs=(P(AXIS),) * 2)
+    body, slots = down_return_fn(NUM_LOCAL, NUM_ROWS, WINDOW, TILE, exchange_programs=16)
     fn = jax.jit(jax.shard_map(body, **specs))
-    sharded = lambda shape, dtype, spec: jax.ShapeDtypeStruct(  # noqa: E731
-        shape, dtype, sharding=jax.NamedSharding(mesh, spec)
-    )
     args = (
-        sharded((num_devices * slots, d_ff), jnp.bfloat16, P(AXIS)),
-        sharded((num_devices * slots,), jnp.float32, P(AXIS)),
-        sharded((num_devices * num_local, d_ff, d_model), jnp.bfloat16, P(AXIS)),
-        sharded((num_devices, num_devices * num_local), jnp.int32, P()),
-        sharded((), jnp.int32, P()),
+        sharded(mesh, (EP * slots, D_FF), jnp.bfloat16),
+        sharded(mesh, (EP * slots,), jnp.float32),
+        sharded(mesh, (EP * NUM_LOCAL, D_FF, D_MODEL), jnp.bfloat16),
+        *round_arguments(mesh),
     )
-    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
-    assert "uses_xla_collective_metadata = true" in text
-    assert "skip_device_barrier = false" in text
-    assert re.search(rf"-> \(tensor<{slots}x{d_model}xf32>, tensor<{num_rows}x{d_model}xf32>", text)
-    block_m = grouped.programs_config("scaled", n=d_model, dtype=jnp.bfloat16).block_m
-    counters = pl.cdiv(slots, block_m) + num_local + 1
-    assert re.search(rf"dims = \[\] : \(tensor<i32>\) -> tensor<{counters}xi32>", text)
-    assert_no_operand_can_share_the_counters(text)
-    assert_fences(text, fenced=True)
     for programs in (132, 500):
-        bad, _ = down_return_fn(num_local, num_rows, window, tile, exchange_programs=programs)
-        bad = jax.jit(jax.shard_map(bad, **specs))
+        bad, _ = down_return_fn(NUM_LOCAL, NUM_ROWS, WINDOW, TILE, exchange_programs=programs)
         with pytest.raises(ValueError, match="exchange_programs"):
-            bad.trace(*args)
+            jax.jit(jax.shard_map(bad, **specs)).trace(*args)
     # The GEMM's inputs are checked as gmm checks them: w_down of another dtype, and an F that
     # is no multiple of the tiles' block_k (its last K step would be dropped).
     for h_type, w_type, match in (
-        ((num_devices * slots, d_ff), (num_devices * num_local, d_ff, d_model), "dtype"),
-        ((num_devices * slots, 96), (num_devices * num_local, 96, d_model), "block_k"),
+        ((EP * slots, D_FF), (EP * NUM_LOCAL, D_FF, D_MODEL), "dtype"),
+        ((EP * slots, 96), (EP * NUM_LOCAL, 96, D_MODEL), "block_k"),
     ):
-        bad_args = (
-            sharded(h_type, jnp.bfloat16, P(AXIS)),
-            args[1],
-            sharded(w_type, jnp.float16 if match == "dtype" else jnp.bfloat16, P(AXIS)),
-            *args[3:],
-        )
+        w_dtype = jnp.float16 if match == "dtype" else jnp.bfloat16
+        bad_args = (sharded(mesh, h_type, jnp.bfloat16), args[1], sharded(mesh, w_type, w_dtype),
+                    *args[3:])  # fmt: skip
         with pytest.raises(ValueError, match=match):
             fn.trace(*bad_args)
 
@@ -1001,44 +789,6 @@ def test_return_waits_are_the_row_tiles_that_store_each_piece(
     assert pieces
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize(
-    "num_local,num_rows,window,tile,exchange_programs,copy_stages",
-    [(4, 4096, 3072, 64, 16, 1), (3, 200, 96, 8, 1, 1), (8, 4096, 6144, 64, 64, 1),
-     (4, 4096, 3072, 64, 16, 2), (3, 200, 96, 8, 1, 4)],
-)  # fmt: skip
-def test_gpu_down_return_gives_the_bits_of_the_separate_kernels(
-    num_local, num_rows, window, tile, exchange_programs, copy_stages
-):
-    """The overlapped kernel's y (every slot) and returned rows (every row of the round, on
-    every device) are those of gmm then send_rows, bit for bit, round by round, with few copy
-    programs and many."""
-    devices = jax.devices()
-    mesh = jax.make_mesh((len(devices),), (AXIS,), devices=devices)
-    d_model, d_ff = 2048, 768
-    counts_se = random_counts(2, len(devices), num_local, num_rows)
-    t = xp.traffic(jnp.asarray(counts_se), num_local)
-    rounds = int(xp.window_rounds(t, window))
-    slots = xp.num_tiles(window, tile, num_local) * tile
-    specs = dict(mesh=mesh, in_specs=(P(AXIS),) * 3 + (P(), P()), out_specs=(P(AXIS),) * 2)
-    runs = [
-        jax.jit(jax.shard_map(down_return_fn(num_local, num_rows, window, tile,
-                                             exchange_programs=c, copy_stages=copy_stages)[0],
-                              **specs))
-        for c in (exchange_programs, 0)
-    ]  # fmt: skip
-    put = lambda a: jax.device_put(jnp.asarray(a), jax.NamedSharding(mesh, P()))  # noqa: E731
-    for r in range(rounds):
-        # Other inputs each round: an output buffer that still held an earlier round's results
-        # could not pass for this one's (a copy that ran before its rows were stored).
-        inputs = down_return_inputs(mesh, num_local, slots, d_model, d_ff, seed=r)
-        (y, out), (want_y, want_out) = (
-            run(*inputs, put(counts_se), put(jnp.int32(r))) for run in runs
-        )
-        chex.assert_trees_all_equal(y, want_y)
-        assert_round_rows_equal(out, want_out, t, r, num_rows, window, tile)
-
-
 # ---------------------------------------------------------------------------------------------
 # The input gradient overlapped with its return (`dgrad_return`).
 
@@ -1062,7 +812,7 @@ def dgrad_return_fn(num_local, num_rows, window, tile, *, exchange_programs: int
                 out_rows=num_rows, axis_name=AXIS, exchange_programs=exchange_programs,
             )  # fmt: skip
         d_buffer = grouped.gmm(d_gate_up, (w_gate, w_up), group_sizes, transpose_rhs=True)
-        d_buffer = mosaic_gpu._like(d_buffer, d_gate_up)
+        d_buffer = like(d_buffer, d_gate_up)
         send = functools.partial(mosaic_gpu.send_rows, out_rows=num_rows, axis_name=AXIS)
         sides_back = tuple(send(side, back, round_index) for side in sides)
         return d_buffer, send(d_buffer, back, round_index), sides_back
@@ -1089,87 +839,23 @@ def dgrad_return_inputs(mesh, num_local, slots, d_model, d_ff, num_sides=0, seed
     return (*(put(a.astype(jnp.bfloat16)) for a in (d_gate_up, *w)), *(put(a) for a in sides))
 
 
-def test_dgrad_return_lowers_for_cuda_inside_shard_map_on_8_devices():
-    """One kernel for the input gradient (the weights read as two parts along K) and its
-    return with the routing weights' gradient, its peers addressed through XLA's collective
-    metadata, its counters one set for the kernel; bad arguments raise."""
-    from pallas_kernels.grouped_matmul import mosaic_gpu as grouped
-
-    num_devices, num_local, num_rows, window, tile = 8, 4, 512, 640, 64
-    d_model, d_ff = 2048, 768
-    mesh = jax.make_mesh((num_devices,), (AXIS,))
-    body, slots = dgrad_return_fn(num_local, num_rows, window, tile, exchange_programs=16)
+def test_dgrad_return_refuses_a_narrow_d_gate_up_and_sides_of_other_rows():
+    mesh = jax.make_mesh((EP,), (AXIS,))
+    body, slots = dgrad_return_fn(NUM_LOCAL, NUM_ROWS, WINDOW, TILE, exchange_programs=16)
     fn = jax.jit(jax.shard_map(body, **dgrad_return_specs(mesh, num_sides=1)))
-    sharded = lambda shape, dtype, spec: jax.ShapeDtypeStruct(  # noqa: E731
-        shape, dtype, sharding=jax.NamedSharding(mesh, spec)
-    )
-    w_type = sharded((num_devices * num_local, d_model, d_ff), jnp.bfloat16, P(AXIS))
+    w_type = sharded(mesh, (EP * NUM_LOCAL, D_MODEL, D_FF), jnp.bfloat16)
     args = (
-        sharded((num_devices * slots, 2 * d_ff), jnp.bfloat16, P(AXIS)),
+        sharded(mesh, (EP * slots, 2 * D_FF), jnp.bfloat16),
         w_type,
         w_type,
-        sharded((num_devices, num_devices * num_local), jnp.int32, P()),
-        sharded((), jnp.int32, P()),
-        sharded((num_devices * slots, 4), jnp.float32, P(AXIS)),
+        *round_arguments(mesh),
+        sharded(mesh, (EP * slots, 4), jnp.float32),
     )
-    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
-    assert "uses_xla_collective_metadata = true" in text
-    assert "skip_device_barrier = false" in text
-    assert re.search(
-        rf"-> \(tensor<{slots}x{d_model}xbf16>, tensor<{num_rows}x{d_model}xbf16>, "
-        rf"tensor<{num_rows}x4xf32>",
-        text,
-    )
-    block_m = grouped.programs_config("dgrad", n=d_model, dtype=jnp.bfloat16).block_m
-    counters = pl.cdiv(slots, block_m) + num_local + 1
-    assert re.search(rf"dims = \[\] : \(tensor<i32>\) -> tensor<{counters}xi32>", text)
-    assert_no_operand_can_share_the_counters(text)
-    assert_fences(text, fenced=True)
     # d_gate_up narrower than the two weights' 2F, or a side of other rows: refused.
-    bad = (sharded((num_devices * slots, d_ff), jnp.bfloat16, P(AXIS)), *args[1:])
     with pytest.raises(ValueError, match="2F"):
-        fn.trace(*bad)
-    short = sharded((num_devices * (slots - 8), 4), jnp.float32, P(AXIS))
+        fn.trace(sharded(mesh, (EP * slots, D_FF), jnp.bfloat16), *args[1:])
     with pytest.raises(ValueError, match="side rows"):
-        fn.trace(*args[:-1], short)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(
-    "num_local,num_rows,window,tile,exchange_programs",
-    [(4, 4096, 3072, 64, 16), (3, 200, 96, 8, 1), (8, 4096, 6144, 64, 64)],
-)
-def test_gpu_dgrad_return_gives_the_bits_of_the_separate_kernels(
-    num_local, num_rows, window, tile, exchange_programs
-):
-    """The overlapped kernel's input gradient (every slot) and returned rows with their side
-    (the layer's routing weights' gradient; every row of the round, on every device) are
-    those of the transposed gmm then send_rows for each, bit for bit, round by round."""
-    devices = jax.devices()
-    mesh = jax.make_mesh((len(devices),), (AXIS,), devices=devices)
-    d_model, d_ff = 2048, 768
-    counts_se = random_counts(4, len(devices), num_local, num_rows)
-    t = xp.traffic(jnp.asarray(counts_se), num_local)
-    rounds = int(xp.window_rounds(t, window))
-    slots = xp.num_tiles(window, tile, num_local) * tile
-    specs = dgrad_return_specs(mesh, num_sides=1)
-    runs = [
-        jax.jit(jax.shard_map(
-            dgrad_return_fn(num_local, num_rows, window, tile, exchange_programs=c)[0], **specs
-        ))
-        for c in (exchange_programs, 0)
-    ]  # fmt: skip
-    put = lambda a: jax.device_put(jnp.asarray(a), jax.NamedSharding(mesh, P()))  # noqa: E731
-    for r in range(rounds):
-        *inputs, side = dgrad_return_inputs(mesh, num_local, slots, d_model, d_ff, num_sides=1,
-                                            seed=r)  # fmt: skip
-        (d_buffer, d_x, (d_side,)), (want_buffer, want_x, (want_side,)) = (
-            run(*inputs, put(counts_se), put(jnp.int32(r)), side) for run in runs
-        )
-        chex.assert_trees_all_equal(d_buffer, want_buffer)
-        assert_round_rows_equal(d_x, want_x, t, r, num_rows, window, tile)
-        assert_round_rows_equal(d_side, want_side, t, r, num_rows, window, tile)
+        fn.trace(*args[:-1], sharded(mesh, (EP * (slots - 8), 4), jnp.float32))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1197,9 +883,9 @@ def forward_fn(num_local, num_rows, window, tile, *, exchange_programs: int, cop
         send = functools.partial(mosaic_gpu.send_rows, axis_name=AXIS)
         buf = send(x, dispatch, round_index, out_rows=slots)
         side_s = send(side, dispatch, round_index, out_rows=slots)
-        h = mosaic_gpu._like(grouped.gmm_swiglu(buf, w_gate, w_up, group_sizes), buf)
+        h = like(grouped.gmm_swiglu(buf, w_gate, w_up, group_sizes), buf)
         y = grouped.gmm(h, w_down, group_sizes, row_scale_m=side_s[:, 0], out_dtype=jnp.float32)
-        y = mosaic_gpu._like(y, h)
+        y = like(y, h)
         return buf, side_s, h, y, send(y, back, round_index, out_rows=num_rows)
 
     return body, slots
@@ -1218,91 +904,26 @@ def forward_inputs(mesh, num_local, num_rows, d_model, d_ff, seed=0):
 FORWARD_SPECS = dict(in_specs=(P(AXIS),) * 5 + (P(), P()), out_specs=(P(AXIS),) * 5)
 
 
-@pytest.mark.parametrize("copy_stages", [1, 4])
-def test_dispatch_mlp_return_lowers_for_cuda_inside_shard_map_on_8_devices(copy_stages):
-    """One kernel for the round's forward: its peers addressed through XLA's collective
-    metadata, its counters (a buffer tile each, a row tile of h and of y each, the arrivals)
-    one set for the kernel, fenced readers; bad arguments raise."""
-    from pallas_kernels.grouped_matmul import mosaic_gpu as grouped
-
-    num_devices, num_local, num_rows, window, tile = 8, 4, 512, 640, 64
-    d_model, d_ff = 2048, 768
-    mesh = jax.make_mesh((num_devices,), (AXIS,))
-    body, slots = forward_fn(num_local, num_rows, window, tile, exchange_programs=16,
-                             copy_stages=copy_stages)  # fmt: skip
+def test_dispatch_mlp_return_refuses_bad_programs_a_bf16_side_and_a_narrow_w_down():
+    mesh = jax.make_mesh((EP,), (AXIS,))
+    body, _ = forward_fn(NUM_LOCAL, NUM_ROWS, WINDOW, TILE, exchange_programs=16)
     fn = jax.jit(jax.shard_map(body, mesh=mesh, **FORWARD_SPECS))
-    sharded = lambda shape, dtype, spec: jax.ShapeDtypeStruct(  # noqa: E731
-        shape, dtype, sharding=jax.NamedSharding(mesh, spec)
-    )
-    weights = (num_devices * num_local, d_model, d_ff)
+    weights = (EP * NUM_LOCAL, D_MODEL, D_FF)
     args = (
-        sharded((num_devices * num_rows, d_model), jnp.bfloat16, P(AXIS)),
-        sharded((num_devices * num_rows, 4), jnp.float32, P(AXIS)),
-        sharded(weights, jnp.bfloat16, P(AXIS)),
-        sharded(weights, jnp.bfloat16, P(AXIS)),
-        sharded((num_devices * num_local, d_ff, d_model), jnp.bfloat16, P(AXIS)),
-        sharded((num_devices, num_devices * num_local), jnp.int32, P()),
-        sharded((), jnp.int32, P()),
+        sharded(mesh, (EP * NUM_ROWS, D_MODEL), jnp.bfloat16),
+        sharded(mesh, (EP * NUM_ROWS, 4), jnp.float32),
+        sharded(mesh, weights, jnp.bfloat16),
+        sharded(mesh, weights, jnp.bfloat16),
+        sharded(mesh, (EP * NUM_LOCAL, D_FF, D_MODEL), jnp.bfloat16),
+        *round_arguments(mesh),
     )
-    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
-    assert "uses_xla_collective_metadata = true" in text
-    assert "skip_device_barrier = false" in text
-    block_m = grouped.programs_config("swiglu", n=d_ff, dtype=jnp.bfloat16).block_m
-    counters = xp.num_tiles(window, tile, num_local) + 2 * (pl.cdiv(slots, block_m) + num_local)
-    assert re.search(rf"dims = \[\] : \(tensor<i32>\) -> tensor<{counters + 1}xi32>", text)
-    # The outputs: buffer, side (block_m rows more: the scale is read for whole tiles), h, y
-    # and the rows back.
-    assert re.search(
-        rf"-> \(tensor<{slots}x{d_model}xbf16>, tensor<{slots + block_m}x4xf32>, "
-        rf"tensor<{slots}x{d_ff}xbf16>, tensor<{slots}x{d_model}xf32>, "
-        rf"tensor<{num_rows}x{d_model}xf32>",
-        text,
-    )
-    assert_no_operand_can_share_the_counters(text)
-    assert_fences(text, fenced=True)
     for programs in (132, 500):
-        bad, _ = forward_fn(num_local, num_rows, window, tile, exchange_programs=programs)
-        bad = jax.jit(jax.shard_map(bad, mesh=mesh, **FORWARD_SPECS))
+        bad, _ = forward_fn(NUM_LOCAL, NUM_ROWS, WINDOW, TILE, exchange_programs=programs)
         with pytest.raises(ValueError, match="exchange_programs"):
-            bad.trace(*args)
+            jax.jit(jax.shard_map(bad, mesh=mesh, **FORWARD_SPECS)).trace(*args)
     # Weights in bf16 with a side in bf16, or a w_down of another width: refused.
     with pytest.raises(ValueError, match="must be f32"):
-        fn.trace(args[0], sharded((num_devices * num_rows, 8), jnp.bfloat16, P(AXIS)), *args[2:])
-    narrow = sharded((num_devices * num_local, d_ff, 1024), jnp.bfloat16, P(AXIS))
+        fn.trace(args[0], sharded(mesh, (EP * NUM_ROWS, 8), jnp.bfloat16), *args[2:])
+    narrow = sharded(mesh, (EP * NUM_LOCAL, D_FF, 1024), jnp.bfloat16)
     with pytest.raises(ValueError, match="w_down"):
         fn.trace(*args[:4], narrow, *args[5:])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(
-    "num_local,num_rows,window,tile,exchange_programs,copy_stages",
-    [(4, 4096, 3072, 64, 16, 1), (3, 200, 96, 8, 1, 1), (8, 4096, 6144, 64, 64, 1),
-     (4, 4096, 3072, 64, 24, 4)],
-)  # fmt: skip
-def test_gpu_dispatch_mlp_return_gives_the_bits_of_the_separate_kernels(
-    num_local, num_rows, window, tile, exchange_programs, copy_stages
-):
-    """The forward in one kernel gives the bits of send_rows, gmm_swiglu, the scaled gmm and
-    send_rows: the buffer and the weights in every slot the dispatch specifies, h and y in
-    every slot, the rows back on every row of the round, on every device, round by round."""
-    devices = jax.devices()
-    mesh = jax.make_mesh((len(devices),), (AXIS,), devices=devices)
-    d_model, d_ff = 2048, 768
-    counts_se = random_counts(5, len(devices), num_local, num_rows)
-    t = xp.traffic(jnp.asarray(counts_se), num_local)
-    rounds = int(xp.window_rounds(t, window))
-    runs = [
-        jax.jit(jax.shard_map(forward_fn(num_local, num_rows, window, tile, exchange_programs=c,
-                                         copy_stages=copy_stages)[0],
-                              mesh=mesh, **FORWARD_SPECS))
-        for c in (exchange_programs, 0)
-    ]  # fmt: skip
-    put = lambda a: jax.device_put(jnp.asarray(a), jax.NamedSharding(mesh, P()))  # noqa: E731
-    for r in range(rounds):
-        inputs = forward_inputs(mesh, num_local, num_rows, d_model, d_ff, seed=r)
-        got, want = (run(*inputs, put(counts_se), put(jnp.int32(r))) for run in runs)
-        specified = specified_slots(counts_se, num_local, num_rows, window, tile, r)
-        assert_specified_equal(got[:2], want[:2], specified)
-        chex.assert_trees_all_equal(got[2:4], want[2:4])
-        assert_round_rows_equal(got[4], want[4], t, r, num_rows, window, tile)
