@@ -8,8 +8,13 @@ H200 on 2026-11-30). Turning the autotuner off for that one executable makes the
 function of the shapes. Untimed, XLA's own Triton GEMMs fall back to one default tiling that ran
 the training step's dense projections at a few percent of an H100's bf16 rate, so the options
 also send XLA's GEMMs to cuBLAS, whose heuristics pick an algorithm from the shapes alone (and
-whose results are bitwise repeatable on one GPU model, by its documentation). These are
-per-executable options, not process-wide flags:
+whose results are bitwise repeatable on one GPU model, by its documentation). The XLA code
+around the layer (cuDNN's fused attention backward, XLA's own reductions) may also add in
+arrival order unless XLA is asked for deterministic operations: on one H100 the `gpu` training
+preset's step, with the layer on `fused`, gave other losses at its second step when run twice
+in one process, and the same bits with `xla_gpu_deterministic_ops`, at 216,049 tokens/s
+(bench/results/2026-12-07_train_determinism_h100/). These are per-executable options, not
+process-wide flags:
 
     step = jax.jit(train_step, compiler_options=mok_jax.compiler_options())
 
@@ -28,9 +33,15 @@ from __future__ import annotations
 
 
 def deterministic_compiler_options() -> dict[str, int | bool]:
-    """Compile options that make XLA:GPU pick GEMM algorithms without timing them: no autotuner,
-    XLA's GEMMs on cuBLAS (chosen by its heuristics) rather than untuned Triton tilings."""
-    return {"xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False}
+    """Compile options that make XLA:GPU's results a function of the program and its inputs:
+    GEMM algorithms picked without timing them (no autotuner; XLA's GEMMs on cuBLAS, chosen by
+    its heuristics, rather than untuned Triton tilings) and XLA's deterministic operations (no
+    arrival-order additions in its reductions, scatters or cuDNN's attention backward)."""
+    return {
+        "xla_gpu_autotune_level": 0,
+        "xla_gpu_enable_triton_gemm": False,
+        "xla_gpu_deterministic_ops": True,
+    }
 
 
 def compiler_options() -> dict[str, int | bool]:

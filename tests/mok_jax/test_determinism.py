@@ -16,6 +16,13 @@ def test_options_contain_the_determinism_subset():
     assert options["xla_gpu_unsupported_enable_ragged_all_to_all_decomposer"] is True
 
 
+def test_options_ask_for_untimed_gemms_and_deterministic_ops():
+    options = mok_jax.deterministic_compiler_options()
+    assert options["xla_gpu_autotune_level"] == 0
+    assert options["xla_gpu_enable_triton_gemm"] is False
+    assert options["xla_gpu_deterministic_ops"] is True
+
+
 def test_xla_accepts_every_option():
     for options in (mok_jax.compiler_options(), mok_jax.deterministic_compiler_options()):
         double = jax.jit(lambda a: 2 * a, compiler_options=options)
