@@ -28,6 +28,18 @@ def test_part_of(op_name, part):
     assert train_profile.part_of(op_name) == part
 
 
+@pytest.mark.parametrize(
+    ("op_name", "kind"),
+    [
+        ("jit(_train_step)/transpose(jvp())/while/body/eval_jaxpr/moe/reduce_sum", "reduce_sum"),
+        ("jit(_train_step)/add", "add"),
+        ("", "(unnamed)"),
+    ],
+)
+def test_op_kind(op_name, kind):
+    assert train_profile.op_kind(op_name) == kind
+
+
 @pytest.mark.slow
 def test_profile_of_the_tiny_step():
     preset = PRESETS["tiny"]
@@ -38,3 +50,6 @@ def test_profile_of_the_tiny_step():
         assert parts[part]["ms"] > 0, (part, parts)
     assert result["kernel_ms_per_step"] == pytest.approx(sum(p["ms"] for p in parts.values()))
     assert "| attention |" in train_profile.render(result)
+    ops = result["ops"]
+    assert ops and sum(o["ms"] for o in ops) <= result["kernel_ms_per_step"] * (1 + 1e-9)
+    assert {o["part"] for o in ops} <= set(parts)
