@@ -7,11 +7,12 @@ own copy in the program), at a reduced depth.
 
 Unrolled, the MoE layer's kernels and their backward are compiled once per block (at the
 `gpu` preset's 12 blocks, minutes), so both variants run the preset with `--layers` blocks.
-Both are compiled in one process; then `rounds` rounds each time `steps` steps of one variant,
-then of the other, from the same initial state and batch. Reported per variant: the compile
-seconds, the median of the rounds' ms per step, and the first step's loss; then the scan's
-extra ms per block ((scan - unrolled) / layers) and that cost as a share of a step of the
-preset's full depth (`--full-step-ms`, the measured step of the preset, if given). Writes
+In one process, `rounds` rounds each build, compile (as the train loop does) and time `steps`
+steps of one variant, then of the other, from the same initial state and batch, one variant's
+program on the device at a time. Reported per variant: each round's compile seconds, the
+median of the rounds' ms per step, and the first step's loss; then the scan's extra ms per
+block ((scan - unrolled) / layers) and that cost as a share of a step of the preset's full
+depth (`--full-step-ms`, the measured step of the preset, if given). Writes
 DIR/scan_cost.json and prints a summary.
 """
 
@@ -21,6 +22,7 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import gc
 import json
 import pathlib
 import statistics
@@ -45,46 +47,53 @@ def _variant(name: str):
     return mock.patch.object(model_lib, "scan_groups", unrolled)
 
 
-def _compile(trainer: Trainer, name: str):
-    """(compiled step, seconds to lower and compile it) of `trainer` as variant `name`."""
+def _build(model_cfg, train_cfg, name: str) -> tuple[Trainer, float]:
+    """A Trainer whose step is variant `name`, compiled as the train loop compiles it
+    (`Trainer.compile`), and the seconds that took."""
     started = time.perf_counter()
-    with _variant(name), trainer.context():
-        compiled = trainer._step.lower(*trainer._abstract_args()).compile()
-    return compiled, time.perf_counter() - started
+    with _variant(name):
+        trainer = Trainer(model_cfg, train_cfg, None)
+        trainer.compile()
+    return trainer, time.perf_counter() - started
 
 
-def _time_steps(compiled, trainer: Trainer, batch, steps: int) -> tuple[float, float]:
+def _time_steps(trainer: Trainer, arrays, steps: int) -> tuple[float, float]:
     """(ms per step over `steps` steps from a fresh initial state, the first step's loss)."""
+    batch = tuple(trainer.place_batch(a) for a in arrays)
     state = trainer.init_state()
-    state, metrics = compiled(state, *batch)
+    state, metrics = trainer.train_step(state, *batch)
     first_loss = float(metrics["loss"])
-    state, metrics = compiled(state, *batch)
+    state, metrics = trainer.train_step(state, *batch)
     jax.block_until_ready(metrics)
     started = time.perf_counter()
     for _ in range(steps):
-        state, metrics = compiled(state, *batch)
+        state, metrics = trainer.train_step(state, *batch)
     jax.block_until_ready(metrics)
     elapsed = time.perf_counter() - started
-    del state
+    del state, metrics
     return elapsed * 1e3 / steps, first_loss
 
 
-def measure(trainers: dict[str, Trainer], steps: int, rounds: int) -> dict:
-    """Compile each variant's step (one `Trainer` each, so that neither reuses the other's
-    traced program), then time them in alternating rounds."""
-    cfg = trainers["scan"].train_cfg
+def measure(model_cfg, train_cfg, steps: int, rounds: int) -> dict:
+    """Alternating rounds of the two variants. Each round builds and compiles its variant's
+    Trainer afresh (so neither reuses the other's traced program) and frees it, and JAX's
+    caches, before the next: one step's program and state on the device at a time."""
     tokens = data_lib.load_bytes("synthetic")
-    arrays = data_lib.batch_at(tokens, 0, batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=0)
-    compiled, results = {}, {}
-    for name in VARIANTS:
-        compiled[name], seconds = _compile(trainers[name], name)
-        results[name] = {"compile_s": seconds, "round_ms": []}
+    arrays = data_lib.batch_at(
+        tokens, 0, batch_size=train_cfg.batch_size, seq_len=train_cfg.seq_len, seed=0
+    )
+    results = {name: {"compile_s": [], "round_ms": []} for name in VARIANTS}
     for _ in range(rounds):
         for name in VARIANTS:
-            batch = tuple(trainers[name].place_batch(a) for a in arrays)
-            ms, loss = _time_steps(compiled[name], trainers[name], batch, steps)
+            trainer, seconds = _build(model_cfg, train_cfg, name)
+            ms, loss = _time_steps(trainer, arrays, steps)
+            results[name]["compile_s"].append(seconds)
             results[name]["round_ms"].append(ms)
             results[name]["first_loss"] = loss
+            results[name]["remat"] = trainer.remat
+            del trainer
+            gc.collect()
+            jax.clear_caches()
     for result in results.values():
         result["step_ms"] = statistics.median(result["round_ms"])
     return results
@@ -120,17 +129,14 @@ def main(argv=None) -> None:
     train_cfg = preset.train
     if args.batch_size:
         train_cfg = dataclasses.replace(train_cfg, batch_size=args.batch_size)
-    trainers = {name: Trainer(model_cfg, train_cfg, None) for name in VARIANTS}
-    trainer = trainers["scan"]
-    results = measure(trainers, args.steps, args.rounds)
+    results = measure(model_cfg, train_cfg, args.steps, args.rounds)
     summary = summarize(results, args.layers, args.full_step_ms, preset.model.n_layers)
     record = {
         "device": jax.devices()[0].device_kind,
         "preset": args.preset,
         "layers": args.layers,
         "batch_size": train_cfg.batch_size,
-        "implementation": trainer.train_cfg.implementation,
-        "remat": trainer.remat,
+        "implementation": train_cfg.implementation,
         "results": results,
         "summary": summary,
     }
@@ -139,7 +145,7 @@ def main(argv=None) -> None:
     for name, result in results.items():
         rounds = ", ".join(f"{ms:.2f}" for ms in result["round_ms"])
         print(
-            f"{name}: compile {result['compile_s']:.1f} s, step {result['step_ms']:.2f} ms "
+            f"{name}: compile {result['compile_s'][0]:.1f} s, step {result['step_ms']:.2f} ms "
             f"(rounds {rounds}), first loss {result['first_loss']:.6f}"
         )
     print(json.dumps(summary))
