@@ -326,8 +326,8 @@ def _rounds_bwd(spec, residuals, g_nd):
     # One round (the common case, with a buffer above the load) takes round 0's gradients as
     # they are: the weights' round trip through f32 changes no bits there, and with bf16
     # weights it cost six weight-sized converts, 1.72 ms of a 16.9 ms forward+backward at
-    # qwen3 on one H200 (bench/results/2026-12-02_exchange_h200_s19/). Every device agrees on
-    # `rounds`, so all take the same branch.
+    # qwen3 on one H200 (bench/results/2026-12-02_exchange_one_kernel_forward_h200/). Every
+    # device agrees on `rounds`, so all take the same branch.
     d_rows, dweights = lax.cond(
         rounds > 1, later_rounds, lambda carry: carry, round_vjp(jnp.zeros((), jnp.int32))
     )

@@ -66,8 +66,9 @@ def test_calibration_is_physical(h200):
 
 
 def test_calibration_reads_the_file_it_names(points):
-    # Each run's fused median, e.g. session 9's qwen3 forward (bench/results/moe_layer_h200.md).
-    qwen3 = [p for p in points if p.run == "session9_call2" and p.label.startswith("qwen3")]
+    # Each run's fused median, e.g. the qwen3 forward of run 1 on ea58fad
+    # (bench/results/2026-12-01_moe_layer_h200/, bench/results/moe_layer_h200.md).
+    qwen3 = [p for p in points if p.run == "ea58fad_run1" and p.label.startswith("qwen3")]
     assert {p.product: round(p.ms, 2) for p in qwen3} == {"forward": 4.29, "fwd_bwd": 13.37}
 
 

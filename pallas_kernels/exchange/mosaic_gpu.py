@@ -9,7 +9,7 @@ are not overlapped with the GEMMs (below).
 
 What has run on GPUs (result folders under bench/results/): with a 1-device mesh (the copies go
 to the device itself) on one H200, and across two H200s over NVLink, where `fused` at EP 2 gave
-the bits of one GPU (2026-12-01_exchange_overlap_h200_s12/, before the zero ranges moved after
+the bits of one GPU (2026-12-01_exchange_overlap_h200/, before the zero ranges moved after
 the copies and the tables were packed). It lowers for CUDA inside shard_map on 8 devices (a CPU
 test). Rows move through shared memory in boxes of whole rows (up to 64 KiB), one load and one
 store in flight a copier (~10-13 GB/s a copier in HBM).
@@ -27,11 +27,12 @@ The overlapped kernels run each copy of the layer inside a GEMM's kernel:
 - `dispatch_mlp_return`: the whole forward of a round in one kernel (the dispatch, the gate/up
   tiles, the down tiles, each once its row tile of h is stored, and the return), used under
   `MoEOptions.exchange_fusion="forward"`.
-Each gave the bits of the separate kernels on one H200 (2026-12-01_exchange_tail_h200_s13/,
-2026-12-01_exchange_backward_h200_s14/ and _s15/, 2026-12-02_exchange_h200_s19/);
-`dispatch_swiglu` also across two H200s in an earlier form. With bf16 parameters
-`dispatch_mlp_return` was the slower (2.13 / 6.04 ms forward / forward+backward against the
-per-GEMM kernels' 1.97 / 5.75 at qwen3_30b_a3b, 4096 tokens; 2026-12-02_exchange_h200_s20/).
+Each gave the bits of the separate kernels on one H200 (2026-12-01_exchange_tail_h200/,
+2026-12-01_exchange_backward_dispatch_h200/, 2026-12-01_exchange_backward_return_h200/,
+2026-12-02_exchange_one_kernel_forward_h200/); `dispatch_swiglu` also across two H200s in an
+earlier form. With bf16 parameters `dispatch_mlp_return` was the slower (2.13 / 6.04 ms
+forward / forward+backward against the per-GEMM kernels' 1.97 / 5.75 at qwen3_30b_a3b, 4096
+tokens; 2026-12-02_exchange_cotangent_once_h200/).
 
 Invariants (send_rows; the overlapped dispatch's O1-O3, down_return's R1-R3 and the forward
 kernel's F1-F3 are in their bodies):

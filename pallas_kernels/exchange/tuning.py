@@ -15,9 +15,9 @@ from pallas_kernels.grouped_matmul import tuning as gmm_tuning
 # copies while the others run its GEMM tiles (`MoEOptions.exchange_programs`; 0: the copies in
 # kernels of their own). On one H200, at qwen3_30b_a3b's round with an EP > 1 buffer, the
 # forward's two kernels took 1.53 ms at 24, 1.66 at 16 and 1.71 as separate kernels
-# (bench/results/2026-12-01_exchange_tail_h200_s13/); the layer's backward with the routing, on
+# (bench/results/2026-12-01_exchange_tail_h200/); the layer's backward with the routing, on
 # a 1-device mesh, 5.92 ms at 24 and 6.22 separate
-# (bench/results/2026-12-01_exchange_backward_h200_s15/). Not yet timed on other GPUs.
+# (bench/results/2026-12-01_exchange_backward_return_h200/). Not yet timed on other GPUs.
 EXCHANGE_PROGRAMS: dict[str, int] = {"NVIDIA H200": 24}
 # The H100 SXM carries the H200's value (the same 132 SMs), not separately measured.
 EXCHANGE_PROGRAMS["NVIDIA H100 80GB HBM3"] = EXCHANGE_PROGRAMS["NVIDIA H200"]

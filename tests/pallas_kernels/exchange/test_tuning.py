@@ -22,8 +22,8 @@ TARGET_VALUE = tuning.EXCHANGE_PROGRAMS[gmm_tuning.TARGET_DEVICE_KIND]
 
 
 def test_the_h200_value_is_the_measured_one():
-    # Measured: bench/results/2026-12-01_exchange_tail_h200_s13/ (the forward) and
-    # bench/results/2026-12-01_exchange_backward_h200_s15/ (the backward). Change the table, and
+    # Measured: bench/results/2026-12-01_exchange_tail_h200/ (the forward) and
+    # bench/results/2026-12-01_exchange_backward_return_h200/ (the backward). Change the table, and
     # this number, with a new measurement.
     assert tuning.EXCHANGE_PROGRAMS["NVIDIA H200"] == 24
 
