@@ -1,4 +1,4 @@
-"""Session 20's last GPU check: the layer on a 1-device mesh in several rounds (per_gemm)
+"""A GPU check of the layer on a 1-device mesh in several rounds (per_gemm)
 against no mesh, after the backward began sending the cotangent once (e6f2cb3)."""
 
 import dataclasses
