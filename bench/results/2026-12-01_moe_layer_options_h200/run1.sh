@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 10 call 1: the GPU tests not run in session 9, then the layer benchmark's forward+backward
+# Run 1: GPU tests of the kernels and the layer, then the layer benchmark's forward+backward
 # with fused_residuals=gate_up,token_chunk=2048, every baseline paired (tokamax included).
 set -u
 t0=$(date +%s)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 10 call 2: the layer's kernel GPU tests and the gathered-rows GPU test, then the Zipf
+# Run 2: the layer's kernel GPU tests and the gathered-rows GPU test, then the Zipf
 # shape's forward+backward with the defaults, every candidate but xla.
 set -u
 t0=$(date +%s)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 10 call 4: the Zipf shape with both speed options (tokamax and torch_det paired), then
+# Run 4: the Zipf shape with both speed options (tokamax and torch_det paired), then
 # each option alone at mixtral and dsv3 (torch paired), so their shares of the gain are apart.
 set -u
 run() {  # run NAME BUDGET ARGS...
