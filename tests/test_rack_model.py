@@ -334,8 +334,9 @@ def test_readme_table_is_the_generated_one(report):
 
 
 def test_fused_check_finds_the_link_fraction_of_the_measured_time(report, h200):
-    # Run 3's fused row on two H200s: the model at the implied link fraction takes the measured
-    # time (the bisection), and at the collectives' fraction less.
+    # The fused row on two H200s (bench/results/multi_gpu_h200x2.md, run 7): the model at the
+    # implied link fraction takes the measured time (the bisection), and at the collectives'
+    # fraction less.
     (row,) = report["fused_check"]
     assert (row["exchange"], row["ep"]) == ("fused@16", 2)
     cfg = rm.SCALING[row["case"]][0]

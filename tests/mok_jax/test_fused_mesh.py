@@ -1,4 +1,4 @@
-"""implementation="fused" under a mesh (issue 7): the exchange inside kernels.
+"""implementation="fused" under a mesh: the exchange inside kernels.
 
 Each round's dispatch and return are the exchange's kernels (`pallas_kernels.exchange`: remote
 copies and semaphores, into the protocol's tile-aligned expert-major buffers); the grouped-GEMM
