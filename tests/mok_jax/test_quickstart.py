@@ -1,4 +1,4 @@
-"""The quickstart (`python -m mok_jax`, the README's main command until training lands)."""
+"""The quickstart (`python -m mok_jax`, the layer's command in the README)."""
 
 from __future__ import annotations
 
