@@ -1,4 +1,4 @@
-"""Activation memory of the MoE layer per token (issue 5): what each implementation saves for
+"""Activation memory of the MoE layer per token: what each implementation saves for
 its backward pass, measured on the CPU without allocating it.
 
     PYTHONPATH=. python -m bench.activation_memory --out bench/results/DATE_activation_memory
@@ -21,7 +21,7 @@ it, before XLA's own optimizations (XLA may fuse away a broadcast or keep a copy
 peak during the layer's backward: `routed_experts` and the `fused` backward recompute the
 experts stage under a nested `jax.vjp`, whose residuals live only while that backward runs and
 are not counted here. Only y is differentiated (the aux losses' residuals are not counted).
-Shapes: issue 5's layers (bench/moe_layer_h200.py's SHAPES, uniform routing; the residuals'
+Shapes: bench/moe_layer.py's layers (its SHAPES, router routing; the residuals'
 shapes do not depend on the routing: the layer is dropless), bf16 inputs and parameters.
 
 Writes OUT.md and OUT.json with --out, and prints the markdown.
@@ -42,9 +42,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.moe_layer_h200 import SHAPES as LAYER_SHAPES
-from bench.moe_layer_h200 import SMOKE_SHAPES as LAYER_SMOKE_SHAPES
-from bench.moe_layer_h200 import LayerShape
+from bench.moe_layer import SHAPES as LAYER_SHAPES
+from bench.moe_layer import SMOKE_SHAPES as LAYER_SMOKE_SHAPES
+from bench.moe_layer import LayerShape
 from mok_jax import MoEConfig, init_params, moe
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -53,7 +53,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # residuals "gate_up" (h, gate and up kept).
 IMPLEMENTATIONS = ("xla", "pallas", "fused", "fused_gate_up")
 BASELINE = "xla"
-# issue 5's three layers (the Zipf-routed qwen3 has qwen3's residual shapes: dropless).
+# The layer benchmark's three layers (the Zipf-routed qwen3 has qwen3's residual shapes).
 SHAPES: tuple[LayerShape, ...] = tuple(s for s in LAYER_SHAPES if s.routing == "router")
 SMOKE_SHAPES: tuple[LayerShape, ...] = tuple(s for s in LAYER_SMOKE_SHAPES if s.routing == "router")
 ARGUMENT = "argument"  # a residual that is an input (x or a parameter): listed, not counted
@@ -293,7 +293,7 @@ def render_markdown(results: dict, *, command: str, date: str, min_share: float 
     rows = results["rows"]
     base = {r["shape"]: r["bytes_per_token"] for r in rows if r["implementation"] == BASELINE}
     lines = [
-        "# MoE layer activation memory per token (issue 5)",
+        "# MoE layer activation memory per token",
         "",
         f"Date: {date}. Command: `{command}`. jax {results['jax']}, measured on the CPU by "
         "abstract evaluation (nothing allocated, no kernel run).",

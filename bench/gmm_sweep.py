@@ -1,56 +1,52 @@
-"""Tile-config sweep of our grouped GEMMs on the H200, each against torch._grouped_mm (issue 4).
+"""Tile-config sweep of our grouped GEMMs, each config against torch._grouped_mm.
 
-    PYTHONPATH=. python3 -m bench.gmm_sweep --out DIR [--budget-s 200]
+    python -m bench.gmm_sweep --out DIR [--budget-s S] [--shapes ...] [--products ...]
+    python -m bench.gmm_sweep --smoke --out DIR     # CPU: one tiny shape, interpret mode
 
-For the five DESIGN.md shapes (bench/grouped_gemm_h200.py's uniform-routing shapes) and the
-products forward (`mosaic_gpu.gmm`), forward fused SwiGLU (`gmm_swiglu`, gate_up shapes only),
-dgrad (`gmm(..., transpose_rhs=True)`) and wgrad (`mosaic_gpu_wgrad.tgmm`, bf16 out), each
-(product, shape) pair times torch._grouped_mm (the yardstick) and a list of candidate
-TileConfigs: the current default first, then the candidates of `candidates()`, each with the
-reason it is in the list. Every run is built, checked (against torch's output on every element
-and reference.py on a few groups), run again and compared bitwise, then timed: all by
-bench/grouped_gemm_h200.py's own `run_candidate` (same check, same timing method: median of
->= 10 samples of back-to-back calls between two syncs). With --paired (the default) every run
-of ours is timed in alternation with torch (`grouped_gemm_h200.time_paired`) and its x torch is
-the median of the per-pair ratios torch_i / ours_i.
+For DESIGN.md's five shapes (bench/grouped_gemm.py's uniform-routing shapes and inputs) and the
+products forward (`mosaic_gpu.gmm`), fused SwiGLU (`gmm_swiglu`, gate_up shapes), dgrad
+(`gmm(..., transpose_rhs=True)`) and wgrad (`mosaic_gpu_wgrad.tgmm`, bf16 out), each (product,
+shape) pair times torch._grouped_mm (the yardstick), then our kernel with the default config and
+the candidates of `candidates()`, each with the reason it is in the list. Every run goes through
+bench/grouped_gemm.py's `run_candidate`: the same check (torch's output on every element,
+reference.py on a few groups), bitwise repeats and timing. With --paired (the default) every
+run of ours is timed in alternation with torch and its x torch is the median of the per-pair
+ratios torch_i / ours_i (the ratio of separately timed medians stays as x torch unpaired).
 
-Order: pass 0 runs torch and the default of every pair, pass i the i-th candidate of every pair,
-so a run cut short (the --budget-s clock stops starting runs) still covers every pair. After every
-run it rewrites DIR/sweep.json (every run: config, check, median ms, TFLOP/s, ratio to torch and
-to the default) and DIR/sweep.md (the best passing config per pair, then every run).
-`bench.grouped_gemm_h200 --configs DIR/sweep.json` then times the best configs.
-
---smoke (CPU): one tiny shape, our kernels in GPU interpret mode, two candidates a pair.
+Pass 0 runs torch and the default of every pair, pass i the i-th candidate of every pair, so a
+run cut short by --budget-s still covers every pair. Writes DIR/sweep.json (every run) and
+DIR/sweep.md (the best passing, bitwise-repeatable config per pair, then every run, then why
+each candidate), rewritten after every run. `python -m bench.grouped_gemm --configs
+DIR/sweep.json` then times our kernels with each pair's best config.
 """
 
 from __future__ import annotations
 
 import os
 
-# torch shares the GPU with JAX in this process (as in grouped_gemm_h200, set before jax starts).
+# torch shares the GPU with JAX in this process (set before jax starts).
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.80")
 
 import argparse
 import dataclasses
 import functools
-import json
-import pathlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from bench import grouped_gemm_h200 as gg
+from bench import grouped_gemm as gg
+from bench import harness as h
 from pallas_kernels.grouped_matmul import mosaic_gpu, mosaic_gpu_wgrad, tuning
 from pallas_kernels.grouped_matmul.tuning import TileConfig
 
-PRODUCTS = ("forward", "wgrad", "dgrad", "swiglu")  # pass order within a pass
+NAME = "sweep"
+PRODUCTS = ("forward", "wgrad", "dgrad", "swiglu")  # the order within a pass
 SHAPES = tuple(s for s in gg.SHAPES if s.routing == "uniform")  # DESIGN.md's five
 SMOKE_SHAPES = tuple(s for s in gg.SMOKE_SHAPES if s.routing == "uniform")
 DEFAULT_LABEL = "default"
-DEVICE_COMMAND = "PYTHONPATH=. python3 -m bench.gmm_sweep --out $OUT --budget-s S"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,10 +56,6 @@ class Trial:
     label: str
     config: TileConfig
     why: str
-
-
-# ---------------------------------------------------------------------------------------------
-# Candidates
 
 
 def default_config(product: str, shape: gg.Shape, *, interpret: bool) -> TileConfig:
@@ -261,8 +253,7 @@ def fits(product: str, shape: gg.Shape, config: TileConfig) -> str | None:
     return None
 
 
-# ---------------------------------------------------------------------------------------------
-# Our kernels: (product) -> the jitted function and its arguments. Tests swap this table.
+# Our kernels: (product) -> the function and its arguments. Tests swap this table.
 
 
 def _forward(p: gg.Problem, config: TileConfig, interpret: bool):
@@ -300,10 +291,6 @@ KERNEL_NAMES = {
 }
 
 
-# ---------------------------------------------------------------------------------------------
-# The sweep
-
-
 @dataclasses.dataclass
 class Pair:
     product: str
@@ -312,13 +299,13 @@ class Pair:
     record: dict  # what goes into sweep.json
     full: tuple | None = None  # all-elements reference (torch's checked output, or XLA's)
     subsets: tuple | None = None
-    torch_runner: gg.Runner | None = None  # torch, checked and timed: --paired times with it
+    torch_runner: h.Runner | None = None  # torch, checked and timed: --paired times with it
 
 
 class Sweep:
-    def __init__(self, args, torch_mod):
-        self.args, self.torch = args, torch_mod
-        self.clock = gg.Clock(args.budget_s)
+    def __init__(self, args, torch):
+        self.args, self.torch = args, torch
+        self.budget = h.Budget(args.budget_s)
         self.interpret = args.smoke and jax.default_backend() != "gpu"
         self.problems: dict[str, gg.Problem] = {}
         self.pairs: list[Pair] = []
@@ -326,59 +313,37 @@ class Sweep:
             for shape in args.shape_list:
                 if product == "swiglu" and not shape.gate_up:
                     continue
-                trials = candidates(product, shape, smoke=args.smoke)
-                trials = trials[: args.max_candidates + 1]
-                flops, _ = gg.product_cost(shape, product)
+                trials = candidates(product, shape, smoke=args.smoke)[: args.max_candidates + 1]
                 record = {
-                    "product": product,
-                    "shape": shape.name,
-                    "mknG": [shape.m, shape.k, shape.n, shape.g],
-                    "kernel": KERNEL_NAMES[product],
-                    "flops": flops,
-                    "torch": None,
-                    "runs": [],
-                }
+                    "product": product, "shape": shape.name,
+                    "mknG": [shape.m, shape.k, shape.n, shape.g], "kernel": KERNEL_NAMES[product],
+                    "flops": gg.product_cost(shape, product)[0], "torch": None, "runs": [],
+                }  # fmt: skip
                 self.pairs.append(Pair(product, shape, trials, record))
-        smoke_note = "; SMOKE RUN (tiny shape, interpret mode): no number means anything"
         self.results: dict[str, Any] = {
-            "environment": gg.environment(torch_mod, args),
+            "environment": h.environment("gmm_sweep", args.argv),
             "method": (
-                "bench/grouped_gemm_h200.run_candidate for every run: checked against torch "
-                "(all elements; without torch: XLA ragged_dot / reference.tgmm on a CPU, none "
-                "on a GPU) and "
-                "reference.py f32 on the first/middle/last/largest groups, |err| <= 2^-6 "
-                f"(|ref| + rms ref); {args.repeats} runs compared bitwise; {args.warmup} "
+                "bench/grouped_gemm.py's run_candidate for every run: checked against torch (all "
+                "elements; without torch: XLA ragged_dot / reference.tgmm on a CPU, none on a "
+                "GPU) and reference.py f32 on the first/middle/last/largest groups, |err| <= "
+                f"2^-6 (|ref| + rms ref); {args.repeats} runs compared bitwise; {args.warmup} "
                 f"warm-up + 1 calibration call, then the median of {args.timed} samples of >= "
-                f"{args.sample_s * 1e3:.0f} ms (back-to-back calls between two syncs, host "
-                "clock); TFLOP/s = 2*M*K*N / median; uniform routing, seed 0"
+                f"{args.sample_s * 1e3:.0f} ms; TFLOP/s = 2*M*K*N / median; uniform routing, seed 0"
                 + (
-                    "; --paired: each run of ours timed in alternation with torch (sample i of "
-                    "torch, then sample i of ours, same method), x torch = the median of the "
-                    "per-pair ratios torch_i / ours_i [25th-75th percentile], x default = a "
-                    "run's x torch over the default's, the best run = the highest x torch; "
-                    "the ratio of separately timed medians kept as x torch unpaired"
+                    "; --paired: x torch = the median of the per-pair ratios torch_i / ours_i "
+                    "[25th-75th percentile], x default = a run's x torch over the default's, the "
+                    "best run = the highest x torch"
                     if args.paired
                     else ""
                 )
-                + (smoke_note if args.smoke else "")
+                + ("; SMOKE RUN: no number means anything" if args.smoke else "")
             ),
-            "args": {
-                k: (str(v) if isinstance(v, pathlib.Path) else v)
-                for k, v in vars(args).items()
-                if k != "shape_list"
-            },
+            "args": {k: v for k, v in vars(args).items() if k != "shape_list"},
             "pairs": [pair.record for pair in self.pairs],
         }
-        self.results["environment"]["command"] = "python3 -m bench.gmm_sweep " + " ".join(args.argv)
-        self.results["environment"]["device_command"] = DEVICE_COMMAND
-
-    def problem(self, shape: gg.Shape) -> gg.Problem:
-        if shape.name not in self.problems:
-            self.problems[shape.name] = gg.make_problem(shape, self.torch)
-        return self.problems[shape.name]
 
     def run(self) -> dict:
-        depth = max(len(pair.trials) for pair in self.pairs) if self.pairs else 0
+        depth = max((len(pair.trials) for pair in self.pairs), default=0)
         for index in range(depth):
             for pair in self.pairs:
                 if index == 0:
@@ -389,10 +354,12 @@ class Sweep:
         return self.results
 
     def _prepare(self, pair: Pair, rec: dict) -> gg.Problem | None:
-        """The pair's inputs and reference subsets; None (with the reason in `rec`) if they
-        cannot be made: the sweep goes on with the other pairs."""
+        """The pair's inputs and reference subsets; None (the reason in `rec`) if they cannot be
+        made: the sweep goes on with the other pairs."""
         try:
-            p = self.problem(pair.shape)
+            if pair.shape.name not in self.problems:
+                self.problems[pair.shape.name] = gg.make_problem(pair.shape, self.torch)
+            p = self.problems[pair.shape.name]
             if pair.subsets is None:
                 pair.subsets = gg.subset_reference(p, pair.product, cap=self.args.subset_rows)
         except Exception as e:  # e.g. out of memory: recorded, not fatal
@@ -400,218 +367,98 @@ class Sweep:
             return None
         return p
 
-    def _full(self, pair: Pair, p: gg.Problem) -> tuple | None:
-        """torch's checked output; without it, XLA's on a CPU (tiny shapes) and none on a GPU
-        (reference.tgmm in f32 over every group is far too slow at real sizes): then only the
-        reference.py subsets check the run."""
-        if pair.full is None and jax.default_backend() != "gpu":
-            pair.full = gg.full_reference(p, pair.product)
-            pair.record["full_reference"] = "xla ragged_dot / reference.tgmm in f32 (no torch)"
-        elif pair.full is None:
-            pair.record["full_reference"] = "none (torch did not pass): reference.py subsets only"
-        return pair.full
+    def _run(self, pair: Pair, rec: dict, cand: gg.Candidate, full, paired_with=None):
+        p = self._prepare(pair, rec)
+        if p is None:
+            return None, ()
+        result, runner, outs = gg.run_candidate(
+            cand, pair.product, full=full, subsets=pair.subsets, sizes=p.sizes, args=self.args,
+            budget=self.budget, paired_with=paired_with,
+        )  # fmt: skip
+        rec.update({k: v for k, v in result.items() if k not in ("name", "family", "extra")})
+        self._summarize(pair, rec)
+        return runner, outs
 
     def _run_torch(self, pair: Pair) -> None:
-        if not self.clock.allows_anything():
-            pair.record["torch"] = {"status": self._skipped()}
-            self.save()
-            return
-        failure: dict[str, Any] = {}
-        p = self._prepare(pair, failure)
-        if p is None:
-            pair.record["torch"] = failure
-            self.save()
-            return
-        (cand,) = gg.Bench(self.args, p).torch_candidates(pair.product)
-        keep: dict[str, Any] = {}
-        rec, outs = gg.run_candidate(
-            cand,
-            product=pair.product,
-            full=None,
-            subsets=pair.subsets,
-            sizes=p.sizes,
-            args=self.args,
-            clock=self.clock,
-            keep=keep,
-        )
-        self._summarize(pair, rec)
-        pair.record["torch"] = rec
-        if rec.get("check", {}).get("ok"):
-            pair.full = outs
-            pair.record["full_reference"] = "torch (this pair's checked output)"
-            if self.args.paired and "timing" in rec:
-                pair.torch_runner = keep.get("runner")
-        del outs, keep
+        rec = pair.record["torch"] = {}
+        if self.budget.skip_reason() is None and (p := self._prepare(pair, rec)) is not None:
+            (cand,) = gg.Bench(self.args, p).torch_candidates(pair.product)
+            runner, outs = self._run(pair, rec, cand, None)
+            if rec.get("check", {}).get("ok"):
+                pair.full = outs
+                pair.record["full_reference"] = "torch (this pair's checked output)"
+                if self.args.paired and "timing" in rec:
+                    pair.torch_runner = runner
+        rec.setdefault("status", self.budget.skip_reason())
         self.save()
 
     def _run_trial(self, pair: Pair, trial: Trial) -> None:
-        rec: dict[str, Any] = {
-            "label": trial.label,
-            "why": trial.why,
-            "config": dataclasses.asdict(trial.config),
-        }
+        rec = {"label": trial.label, "why": trial.why, "config": dataclasses.asdict(trial.config)}
         pair.record["runs"].append(rec)
-        if not self.clock.allows_anything():
-            rec["status"] = self._skipped()
-            self.save()
-            return
         refused = fits(pair.product, pair.shape, trial.config)
-        if refused is not None:
+        if (skipped := self.budget.skip_reason()) is not None:
+            rec["status"] = skipped
+        elif refused is not None:
             rec["status"] = f"not run: {refused}"
-            self.save()
-            return
-        p = self._prepare(pair, rec)
-        if p is None:
-            self.save()
-            return
-        full = self._full(pair, p)
+        elif (p := self._prepare(pair, rec)) is not None:
+            if pair.full is None and jax.default_backend() != "gpu":
+                # No torch: XLA's result on a CPU (tiny shapes); on a GPU, reference.tgmm in
+                # f32 over every group is too slow: the reference.py subsets alone check then.
+                pair.full = gg.full_reference(p, pair.product)
+                pair.record["full_reference"] = "xla ragged_dot / reference.tgmm in f32 (no torch)"
 
-        def build():
-            fn, operands = KERNELS[pair.product](p, trial.config, self.interpret)
-            return gg.jax_runner(fn, *operands)
+            def build():
+                fn, operands = KERNELS[pair.product](p, trial.config, self.interpret)
+                return h.jax_runner(fn, *operands)
 
-        cand = gg.Candidate(f"ours {trial.label}", "ours", build, config=repr(trial.config))
-        result, outs = gg.run_candidate(
-            cand,
-            product=pair.product,
-            full=full,
-            subsets=pair.subsets,
-            sizes=p.sizes,
-            args=self.args,
-            clock=self.clock,
-            paired_with=pair.torch_runner,
-        )
-        del outs
-        result.pop("name", None)
-        result.pop("family", None)
-        result.pop("extra", None)
-        result.pop("config", None)
-        rec.update(result)
-        self._summarize(pair, rec)
+            cand = gg.Candidate(f"ours {trial.label}", "ours", build)
+            self._run(pair, rec, cand, pair.full, pair.torch_runner)
         self.save()
 
-    def _skipped(self) -> str:
-        return f"skipped: time budget ({self.clock.elapsed():.0f} s of {self.clock.budget_s:.0f})"
-
     def _summarize(self, pair: Pair, rec: dict) -> None:
-        """Flat fields of a run: ok, median_ms, tflops, x_torch, x_default; paired runs also
-        x_torch_unpaired (the ratio of the medians) and x_torch_p25_p75, and their x_torch is
-        the paired one (x_default then the ratio of the two runs' paired x_torch: each against
-        torch timed beside it)."""
+        """Flat fields of a run: ok, median_ms, tflops, x_torch, x_default; a paired run's
+        x_torch is the paired one (x_torch_unpaired the ratio of the medians, x_default the
+        ratio of the two runs' paired x torch: each against torch timed beside it)."""
         rec["ok"] = bool(rec.get("check", {}).get("ok")) and "timing" in rec
         if "timing" in rec:
-            ms = rec["timing"]["median_ms"]
-            rec["median_ms"] = ms
+            ms = rec["median_ms"] = rec["timing"]["median_ms"]
             rec["tflops"] = pair.record["flops"] / (ms * 1e-3) / 1e12
-            torch_ms = (pair.record.get("torch") or {}).get("median_ms")
-            if torch_ms:
+            if torch_ms := (pair.record.get("torch") or {}).get("median_ms"):
                 rec["x_torch"] = torch_ms / ms
             if "x_torch_paired" in rec:
                 rec["x_torch_unpaired"] = rec.get("x_torch")
                 rec["x_torch"] = rec["x_torch_paired"]
                 rec["x_torch_p25_p75"] = rec["x_torch_paired_p25_p75"]
-            default = next(
-                (
-                    r
-                    for r in pair.record["runs"]
-                    if r["label"] == DEFAULT_LABEL and "median_ms" in r
-                ),
-                None,
-            )
-            if default is not None and rec is not default:
+            default = _default_run(pair.record)
+            if default is not None and "median_ms" in default and rec is not default:
                 if "x_torch_paired" in rec and "x_torch_paired" in default:
                     rec["x_default"] = rec["x_torch_paired"] / default["x_torch_paired"]
                 else:
                     rec["x_default"] = default["median_ms"] / ms
-        best = best_run(pair.record)
-        if best is None:
-            pair.record["best"] = None
-        else:
-            keys = (
-                "label",
-                "config",
-                "median_ms",
-                "tflops",
-                "x_torch",
-                "x_torch_p25_p75",
-                "x_torch_unpaired",
-                "x_default",
+        best = gg.best_run(pair.record)
+        keys = ("label", "config", "median_ms", "tflops", "x_torch", "x_torch_p25_p75",
+                "x_torch_unpaired", "x_default")  # fmt: skip
+        pair.record["best"] = best and {k: best[k] for k in keys if k in best}
+        where = f"{pair.product:8s} {pair.shape.name:16s} {rec.get('label', 'torch'):20s}"
+        if "median_ms" in rec:
+            ratios = "".join(f" {rec[k]:.3f}{k[2:]}" for k in ("x_torch", "x_default") if k in rec)
+            print(
+                f"  {where} {rec['median_ms']:8.3f} ms{ratios} [{'ok' if rec['ok'] else 'FAILED'}]"
             )
-            pair.record["best"] = {k: best[k] for k in keys if k in best}
-        _print_run(pair, rec)
+        else:
+            print(f"  {where} {str(rec.get('status'))[:200]}", flush=True)
 
     def save(self) -> None:
-        self.results["elapsed_s"] = round(self.clock.elapsed(), 1)
-        out = self.args.out
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "sweep.json").write_text(json.dumps(self.results, indent=1, default=str))
-        (out / "sweep.md").write_text(render_markdown(self.results))
+        self.results["elapsed_s"] = round(self.budget.elapsed(), 1)
+        h.save(self.args.out, NAME, self.results, render_markdown(self.results))
 
 
 def _default_run(pair_record: dict) -> dict | None:
     return next((r for r in pair_record["runs"] if r["label"] == DEFAULT_LABEL), None)
 
 
-def best_run(pair_record: dict) -> dict | None:
-    """The fastest run of our kernel that passed its check and repeated bitwise: the highest
-    paired x torch when every such run was paired with torch, else the lowest median."""
-    passing = [
-        r
-        for r in pair_record["runs"]
-        if r.get("ok") and r.get("bitwise_repeatable", {}).get("identical", False)
-    ]
-    if not passing:
-        return None
-    if all("x_torch_paired" in r for r in passing):
-        return max(passing, key=lambda r: r["x_torch_paired"])
-    return min(passing, key=lambda r: r["median_ms"])
-
-
-def best_configs(sweep: dict) -> dict[tuple[str, str], dict]:
-    """{(product, shape name): {"config": TileConfig, "label", "median_ms", ...}} from a
-    sweep.json's contents: each pair's fastest passing, bitwise-repeatable config."""
-    out = {}
-    for record in sweep.get("pairs", []):
-        best = best_run(record)
-        if best is None:
-            continue
-        out[(record["product"], record["shape"])] = {
-            "config": TileConfig(**best["config"]),
-            "label": best["label"],
-            "median_ms": best["median_ms"],
-            "x_torch": best.get("x_torch"),
-        }
-    return out
-
-
-def _print_run(pair: Pair, rec: dict) -> None:
-    name = rec.get("label", "torch")
-    where = f"{pair.product:8s} {pair.shape.name:16s} {name:20s}"
-    if "median_ms" in rec:
-        extra = "".join(
-            f" {rec[k]:.3f}{k.removeprefix('x_')}" for k in ("x_torch", "x_default") if k in rec
-        )
-        print(
-            f"  {where} {rec['median_ms']:8.3f} ms {rec['tflops']:7.1f} TFLOP/s{extra} "
-            f"[{'ok' if rec['ok'] else 'FAILED'}; t={pair_elapsed(rec)}]",
-            flush=True,
-        )
-    else:
-        print(f"  {where} {str(rec.get('status'))[:200]}", flush=True)
-
-
-def pair_elapsed(rec: dict) -> str:
-    return f"{rec.get('t_end_s', 0):.0f}s"
-
-
-# ---------------------------------------------------------------------------------------------
-# Markdown
-
-
 def _cell(rec: dict | None, key: str, fmt: str) -> str:
-    if not rec or key not in rec or rec[key] is None:
-        return "-"
-    return format(rec[key], fmt)
+    return "-" if not rec or rec.get(key) is None else format(rec[key], fmt)
 
 
 def _x_torch_cell(rec: dict | None) -> str:
@@ -625,9 +472,7 @@ def _x_torch_cell(rec: dict | None) -> str:
 
 
 def _config_brief(config: dict, base: dict | None) -> str:
-    if base is None:
-        return ", ".join(f"{k}={v}" for k, v in config.items())
-    changed = {k: v for k, v in config.items() if base.get(k) != v}
+    changed = config if base is None else {k: v for k, v in config.items() if base.get(k) != v}
     return ", ".join(f"{k}={v}" for k, v in changed.items()) or "(the default)"
 
 
@@ -645,129 +490,74 @@ def render_markdown(results: dict) -> str:
     lines = [
         "# Tile-config sweep of our grouped GEMMs against torch._grouped_mm",
         "",
-        f"- command: `{env['command']}` (device: `{env['device_command']}`)",
-        f"- date (UTC): {env['date_utc']}; device: {env['device']} ({env['backend']}); "
-        f"jax {env['jax']}, torch {env['torch']}; git {env['git_commit']}",
+        f"- command: `{env['command']}`; date (UTC): {env['date']}; {h.versions_line(env)}",
         f"- method: {results['method']}",
         f"- elapsed: {results.get('elapsed_s', '-')} s",
         "",
         "## Best passing config per (product, shape)",
         "",
-        "x torch: paired where it shows a [25th-75th percentile] (the median of torch_i / "
-        "ours_i over samples timed in alternation), else torch's median over ours, timed "
-        "apart (x torch unpaired in 'Every run').",
+        "x torch: paired where it shows a [25th-75th percentile] (the median of torch_i / ours_i "
+        "over samples timed in alternation), else torch's median over ours, timed apart.",
         "",
-        "| product | shape | torch ms | default ms | default x torch | best | best ms "
-        "| best x torch | best x default | best config (changes from the default) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+    best_rows, every_rows, why = [], [], {}
     for pair in results["pairs"]:
-        default = _default_run(pair)
-        best = best_run(pair)
+        where = [pair["product"], pair["shape"]]
+        default, best = _default_run(pair), gg.best_run(pair)
         base = default["config"] if default else None
-        lines.append(
-            f"| {pair['product']} | {pair['shape']} | {_cell(pair['torch'], 'median_ms', '.3f')} "
-            f"| {_cell(default, 'median_ms', '.3f')} | {_x_torch_cell(default)} "
-            f"| {best['label'] if best else '-'} | {_cell(best, 'median_ms', '.3f')} "
-            f"| {_x_torch_cell(best)} | {_cell(best, 'x_default', '.3f')} "
-            f"| {_config_brief(best['config'], base) if best else '-'} |"
-        )
-    lines += [
-        "",
-        "## Every run",
-        "",
-        "| product | shape | run | median ms | TFLOP/s | x torch | x torch unpaired "
-        "| x default | status | config (changes from the default) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for pair in results["pairs"]:
+        best_rows.append([
+            *where, _cell(pair["torch"], "median_ms", ".3f"), _cell(default, "median_ms", ".3f"),
+            _x_torch_cell(default), best["label"] if best else "-", _cell(best, "median_ms", ".3f"),
+            _x_torch_cell(best), _cell(best, "x_default", ".3f"),
+            _config_brief(best["config"], base) if best else "-",
+        ])  # fmt: skip
         torch_rec = pair["torch"] or {"status": "not run"}
-        lines.append(
-            f"| {pair['product']} | {pair['shape']} | torch._grouped_mm "
-            f"| {_cell(torch_rec, 'median_ms', '.3f')} | {_cell(torch_rec, 'tflops', '.1f')} "
-            f"| - | - | - | {_status(torch_rec)} | - |"
-        )
-        default = _default_run(pair)
-        base = default["config"] if default else None
+        every_rows.append([*where, "torch._grouped_mm", _cell(torch_rec, "median_ms", ".3f"),
+                           _cell(torch_rec, "tflops", ".1f"), "-", "-", "-", _status(torch_rec),
+                           "-"])  # fmt: skip
         for rec in pair["runs"]:
-            brief = _config_brief(rec["config"], None if rec is default else base)
-            lines.append(
-                f"| {pair['product']} | {pair['shape']} | {rec['label']} "
-                f"| {_cell(rec, 'median_ms', '.3f')} | {_cell(rec, 'tflops', '.1f')} "
-                f"| {_x_torch_cell(rec)} | {_cell(rec, 'x_torch_unpaired', '.3f')} "
-                f"| {_cell(rec, 'x_default', '.3f')} "
-                f"| {_status(rec)} | {brief} |"
-            )
+            every_rows.append([
+                *where, rec["label"], _cell(rec, "median_ms", ".3f"), _cell(rec, "tflops", ".1f"),
+                _x_torch_cell(rec), _cell(rec, "x_torch_unpaired", ".3f"),
+                _cell(rec, "x_default", ".3f"), _status(rec),
+                _config_brief(rec["config"], None if rec is default else base),
+            ])  # fmt: skip
+            why.setdefault((pair["product"], rec["label"]), rec["why"])
+    lines += h.table(
+        ["product", "shape", "torch ms", "default ms", "default x torch", "best", "best ms",
+         "best x torch", "best x default", "best config (changes from the default)"], best_rows,
+    )  # fmt: skip
+    lines += ["", "## Every run", ""]
+    lines += h.table(
+        ["product", "shape", "run", "median ms", "TFLOP/s", "x torch", "x torch unpaired",
+         "x default", "status", "config (changes from the default)"], every_rows,
+    )  # fmt: skip
     lines += ["", "## Why each candidate", ""]
-    seen = set()
-    for pair in results["pairs"]:
-        for rec in pair["runs"]:
-            key = (pair["product"], rec["label"])
-            if key not in seen:
-                seen.add(key)
-                lines.append(f"- {pair['product']} `{rec['label']}`: {rec['why']}")
+    lines += [f"- {product} `{label}`: {text}" for (product, label), text in why.items()]
     return "\n".join(lines) + "\n"
-
-
-# ---------------------------------------------------------------------------------------------
-# Command line
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=pathlib.Path, required=True, help="folder for sweep.{json,md}")
-    ap.add_argument(
-        "--budget-s", type=float, default=200.0, help="start no run after this many seconds"
-    )
-    ap.add_argument("--smoke", action="store_true", help="CPU: tiny shape, interpret mode")
-    ap.add_argument("--shapes", default="", help="comma-separated shape names (default: all)")
+    h.add_run_args(ap)
     ap.add_argument("--products", default=",".join(PRODUCTS))
-    ap.add_argument(
-        "--max-candidates", type=int, default=8, help="candidates a pair besides the default"
-    )
-    ap.add_argument("--warmup", type=int, default=None)
-    ap.add_argument("--timed", type=int, default=None, help="timed samples (>= 10 on the GPU)")
-    ap.add_argument("--repeats", type=int, default=2, help="runs compared bitwise")
-    ap.add_argument("--sample-s", type=float, default=None, help="least time of one sample")
+    ap.add_argument("--max-candidates", type=int, default=8, help="candidates besides the default")
     ap.add_argument("--subset-rows", type=int, default=256)
-    ap.add_argument(
-        "--paired",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="time each run of ours in alternation with torch and take x torch from the "
-        "per-pair ratios (default: on; ~0.1 s more a run, see bench/README.md)",
-    )
-    argv = list(argv) if argv is not None else None
     args = ap.parse_args(argv)
-    import sys
-
-    args.argv = list(argv) if argv is not None else sys.argv[1:]
-    shapes = SMOKE_SHAPES if args.smoke else SHAPES
-    names = [s for s in args.shapes.split(",") if s]
-    unknown = set(names) - {s.name for s in shapes}
-    if unknown:
-        ap.error(f"unknown shapes {sorted(unknown)}; known: {[s.name for s in shapes]}")
-    args.shape_list = [s for s in shapes if not names or s.name in names]
-    args.products = [p for p in args.products.split(",") if p]
-    if set(args.products) - set(PRODUCTS):
-        ap.error(f"unknown products {sorted(set(args.products) - set(PRODUCTS))}; {PRODUCTS}")
-    args.warmup = (0 if args.smoke else 3) if args.warmup is None else args.warmup
-    args.timed = (2 if args.smoke else 10) if args.timed is None else args.timed
-    args.sample_s = (0.0 if args.smoke else 0.005) if args.sample_s is None else args.sample_s
-    if args.repeats < 1 or args.timed < 1 or args.warmup < 0 or args.max_candidates < 0:
-        ap.error("--repeats and --timed must be >= 1, --warmup and --max-candidates >= 0")
-    # What bench.grouped_gemm_h200.run_candidate and Bench read from its own arguments.
-    args.time_failed = False
+    h.check_run_args(ap, args, SMOKE_SHAPES if args.smoke else SHAPES)
+    args.products = h.pick(ap, args.products, PRODUCTS, "product")
+    if args.max_candidates < 0:
+        ap.error(f"--max-candidates must be >= 0, got {args.max_candidates}")
+    args.argv = list(argv) if argv is not None else None
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
-    torch_mod = gg._import_torch(args)
-    sweep = Sweep(args, torch_mod)
-    print(json.dumps(sweep.results["environment"], indent=1), flush=True)
+    torch, args.torch_missing = h.import_torch()
+    sweep = Sweep(args, torch)
     results = sweep.run()
-    print(f"wrote {args.out}/sweep.{{json,md}} after {sweep.clock.elapsed():.0f} s", flush=True)
+    print(f"wrote {args.out}/{NAME}.{{json,md}} after {sweep.budget.elapsed():.0f} s", flush=True)
     return results
 
 

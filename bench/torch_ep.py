@@ -1,4 +1,4 @@
-"""The PyTorch baseline of the expert-parallel layer (issue 8, run 3): torch._grouped_mm experts
+"""The PyTorch baseline of the expert-parallel layer: torch._grouped_mm experts
 with the tokens exchanged by NCCL's all-to-all, one process a GPU, on every GPU of the host.
 
     PYTHONPATH=. python3 -m bench.torch_ep --out DIR [--case qwen3_30b_a3b] [--eps 1,2]
@@ -8,13 +8,13 @@ For each EP degree P (default 1 and every GPU there is) it spawns P processes (N
 CPU). Rank r holds `tokens_per_device` tokens and experts [r E / P, (r + 1) E / P). Its layer,
 per step, as the usual PyTorch expert-parallel MoE does it:
 
-  route       bench.moe_layer_h200's torch routing (mok_jax's rule), argsort(stable) by expert
+  route       bench.moe_layer's torch routing (mok_jax's rule), argsort(stable) by expert
   counts      an all_to_all_single of the per-expert counts, then the split sizes to the host
   dispatch    torch.distributed.nn.functional.all_to_all_single of the rows (differentiable)
   experts     rows reordered source-major -> expert-major, three torch._grouped_mm (SwiGLU)
   return      the reverse reorder and all_to_all_single, unsort, weighted sum over the k slots
 
-Check: every rank also runs the single-device layer (`moe_layer_h200.torch_layer`) on the whole
+Check: every rank also runs the single-device layer (`moe_layer.torch_layer`) on the whole
 global batch with all the experts, and compares its own tokens' y and dx (relative Frobenius
 error; the two differ in summation order only). Time: forward+backward (autograd.grad of
 sum(y * cotangent) w.r.t. x and the rank's weights), CUDA events, the median of --timed steps
@@ -39,7 +39,7 @@ import torch.distributed.nn.functional as dist_nn
 import torch.multiprocessing as mp
 
 import mok_jax
-from bench.moe_layer_h200 import torch_layer, torch_route
+from bench.moe_layer import torch_layer, torch_route
 
 CASES = {"qwen3_30b_a3b": 4096, "mixtral_8x7b": 2048, "tiny": 64}
 SEED = 0

@@ -265,7 +265,7 @@ DEFAULT_CONFIGS: dict[tuple[ShapeClass, str], TileConfig] = {
     # two; two lhs tiles and three rhs tiles a stage: three stages fit. Measured once
     # (2026-12-01, qwen3's 131072 rows): 3.73 ms, 332 TFLOP/s, slower than three f32 gmm calls
     # and XLA's epilogue (3.03 ms), so ops.Recompute's default does not use it; block_n 128
-    # (2 stages) took 7.43 ms. Other tiles not yet measured (bench/fused_probe.py).
+    # (2 stages) took 7.43 ms. Other tiles not yet measured.
     ("gmm_swiglu_bwd", "NVIDIA H200"): TileConfig(
         block_n=64,
         max_concurrent_steps=3,

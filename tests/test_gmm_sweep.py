@@ -1,6 +1,6 @@
 """The tile-config sweep (bench/gmm_sweep.py) on CPU: its candidate lists, a smoke run of our
 forward kernel in GPU interpret mode, a wrong config reported as failed (a stand-in kernel, so
-it is cheap), the time budget, and grouped_gemm_h200 --configs picking the sweep's best."""
+it is cheap), the time budget, and grouped_gemm --configs picking the sweep's best."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from bench import gmm_sweep as sweep
-from bench import grouped_gemm_h200 as gg
+from bench import grouped_gemm as gg
 from pallas_kernels.grouped_matmul import mosaic_gpu, mosaic_gpu_wgrad
 
 H200 = jax.sharding.AbstractMesh(
@@ -112,7 +112,7 @@ def test_smoke_run_times_our_kernel_and_writes_the_best(tmp_path):
     assert "x_default" in pair["runs"][1]
     fastest = min(pair["runs"], key=lambda r: r["median_ms"])
     assert pair["best"]["label"] == fastest["label"]
-    best = sweep.best_configs(on_disk)[("forward", "smoke_uniform")]
+    best = gg.best_configs(on_disk)[("forward", "smoke_uniform")]
     assert dataclasses.asdict(best["config"]) == fastest["config"]
     text = (tmp_path / "sweep.md").read_text()
     assert (
@@ -155,7 +155,7 @@ def test_a_wrong_config_fails_its_check_and_is_never_the_best(tmp_path, monkeypa
     assert not wrong["check"]["parts"][0]["vs_full_reference"]["ok"]
     assert pair["best"]["label"] == "default"
     saved = json.loads((tmp_path / "sweep.json").read_text())
-    assert sweep.best_configs(saved)[("forward", "smoke_uniform")]["label"] == "default"
+    assert gg.best_configs(saved)[("forward", "smoke_uniform")]["label"] == "default"
     assert "**failed check**" in (tmp_path / "sweep.md").read_text()
 
 
@@ -166,7 +166,9 @@ def _stand_in_torch(monkeypatch):
         p = self.p
         fn = lambda x, w, gs: _right(x, w, gs).astype(x.dtype)  # noqa: E731
         return [
-            gg.Candidate("torch._grouped_mm", "torch", lambda: gg.jax_runner(fn, *(p.x, p.w, p.gs)))
+            gg.Candidate(
+                "torch._grouped_mm", "torch", lambda: gg.h.jax_runner(fn, *(p.x, p.w, p.gs))
+            )
         ]
 
     monkeypatch.setattr(gg.Bench, "torch_candidates", torch_candidates)
@@ -191,11 +193,13 @@ def test_x_torch_comes_from_timing_each_run_paired_with_torch(tmp_path, monkeypa
         assert runs[1]["x_default"] == runs[0]["median_ms"] / runs[1]["median_ms"]
         return
     for r in runs:
-        torch_ms = np.array(r["paired"]["torch_timing"]["samples_ms"])
+        torch_ms = np.array(r["paired"]["base_timing"]["samples_ms"])
         ours_ms = np.array(r["timing"]["samples_ms"])
         assert len(torch_ms) == len(ours_ms) == 5
-        np.testing.assert_allclose(r["paired"]["x_torch"]["ratios"], torch_ms / ours_ms, rtol=1e-3)
-        assert r["x_torch"] == r["x_torch_paired"] == r["paired"]["x_torch"]["median"]
+        np.testing.assert_allclose(
+            r["paired"]["base_over_this"]["ratios"], torch_ms / ours_ms, rtol=1e-3
+        )
+        assert r["x_torch"] == r["x_torch_paired"] == r["paired"]["base_over_this"]["median"]
         assert r["x_torch_unpaired"] == torch_rec["median_ms"] / r["median_ms"]
         lo, hi = r["x_torch_p25_p75"]
         assert lo <= r["x_torch"] <= hi
@@ -216,10 +220,10 @@ def test_no_run_starts_after_the_budget(tmp_path):
             r["status"].startswith("skipped: time budget") for r in pair["runs"]
         )
         assert pair.get("best") is None
-    assert sweep.best_configs(json.loads((tmp_path / "sweep.json").read_text())) == {}
+    assert gg.best_configs(json.loads((tmp_path / "sweep.json").read_text())) == {}
 
 
-def test_grouped_gemm_h200_takes_the_sweeps_best_config(tmp_path, monkeypatch):
+def test_grouped_gemm_takes_the_sweeps_best_config(tmp_path, monkeypatch):
     monkeypatch.setitem(sweep.KERNELS, "forward", _fake_forward)
     sweep.main(["--smoke", "--products", "forward", "--out", str(tmp_path / "sweep")])
     path = tmp_path / "sweep" / "sweep.json"
@@ -228,13 +232,13 @@ def test_grouped_gemm_h200_takes_the_sweeps_best_config(tmp_path, monkeypatch):
     problem = gg.make_problem(gg.SMOKE_SHAPES[0], None)
     bench = gg.Bench(args, problem)
     (forward, _triton) = bench.ours_candidates("forward")
-    picked = sweep.best_configs(json.loads(path.read_text()))[("forward", "smoke_uniform")]
+    picked = gg.best_configs(json.loads(path.read_text()))[("forward", "smoke_uniform")]
     assert forward.config == repr(picked["config"])
     assert forward.config_source.startswith(f"sweep {path}: best passing run 'default'")
     (dgrad,) = bench.ours_candidates("dgrad")  # not in the sweep: the defaults table
     assert dgrad.config_source == "defaults table (config=None)"
     with pytest.raises(SystemExit):
-        gg.parse_args(["--smoke", "--configs", str(tmp_path / "missing.json")])
+        gg.parse_args(["--smoke", "--configs", str(tmp_path / "missing.json"), "--out", "x"])
 
 
 def test_a_pair_that_cannot_be_prepared_is_recorded_and_the_sweep_goes_on(tmp_path, monkeypatch):

@@ -1,0 +1,70 @@
+"""The benchmarks' shared harness: timing and pairing, the checks before timing, the
+environment, the result files and an optional time budget."""
+
+from bench.harness.checks import (
+    REFERENCE_COMPILER_OPTIONS,
+    all_bits_equal,
+    bits_equal,
+    compare,
+    failed,
+    measure,
+    repeat_bitwise,
+)
+from bench.harness.cli import add_run_args, check_run_args, pick
+from bench.harness.report import (
+    ROOT,
+    environment,
+    git,
+    import_tokamax,
+    import_torch,
+    save,
+    table,
+    versions_line,
+    write_files,
+)
+from bench.harness.timing import (
+    SLOW_CALL_S,
+    Budget,
+    NotAvailable,
+    Runner,
+    as_tuple,
+    jax_memory_available,
+    jax_runner,
+    ratio_stats,
+    time_paired,
+    time_runner,
+    torch_runner,
+)
+
+__all__ = [
+    "REFERENCE_COMPILER_OPTIONS",
+    "ROOT",
+    "SLOW_CALL_S",
+    "Budget",
+    "NotAvailable",
+    "Runner",
+    "add_run_args",
+    "all_bits_equal",
+    "as_tuple",
+    "bits_equal",
+    "check_run_args",
+    "compare",
+    "environment",
+    "failed",
+    "git",
+    "import_tokamax",
+    "import_torch",
+    "jax_memory_available",
+    "jax_runner",
+    "measure",
+    "pick",
+    "ratio_stats",
+    "repeat_bitwise",
+    "save",
+    "table",
+    "time_paired",
+    "time_runner",
+    "torch_runner",
+    "versions_line",
+    "write_files",
+]
