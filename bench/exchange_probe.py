@@ -1,32 +1,29 @@
-"""The in-kernel exchange on one GPU (issue 7), from semaphores alone to the layer: each probe
-runs in a subprocess under a timeout (a wrong semaphore count hangs rather than fails). Writes
-one JSON record a probe.
+"""The in-kernel exchange on the GPU, from its dispatch kernels to the layer: each probe runs in
+a subprocess under --timeout (a wrong semaphore count hangs rather than fails), and writes one
+JSON record a probe to --out.
 
-    PYTHONPATH=. python -m bench.exchange_probe --out probe.json [--timeout 60] [--only NAME]
+    python -m bench.exchange_probe --out probe.json [--timeout 540] [--only layer]
+        [--tiles 64] [--programs 24] [--fusions per_gemm,forward] [--param-dtype bfloat16]
 
-Probes (one device, one mesh axis of size 1 where shard_map is used):
-  sem_one_block    one block signals a global semaphore and waits for it
-  sem_blocks       132 blocks signal tiles from a table; block 0 waits for each tile's count
-  dispatch         the dispatch and return kernels in shard_map over every GPU there is against
-                   the protocol's plan, 2 rounds, timed, and the tables' time alone taken out
-  overlap          the dispatch and gate/up GEMMs of qwen3_30b_a3b's round (4096 tokens, top-8,
-                   128 experts on one device, a window of --window-factor times the rows) as
-                   one kernel with each of --programs copy programs, against the separate
-                   kernels (0): bitwise, timed; and the copies alone on 16, 48 and all
-                   blocks; then the down projection and the return of the round's results
-                   the same two ways (`down_return` against gmm then send_rows), and the
-                   backward's input gradient and its return (`dgrad_return` against gmm
-                   then send_rows); each at each of --copy-stages (the copiers' pipelining)
-  layer            `fused` at qwen3_30b_a3b (4096 tokens) on a 1-device mesh (the exchange's
-                   kernels, one round) at each of --tiles (options.exchange_tile), --programs
-                   (options.exchange_programs) and --fusions (options.exchange_fusion;
-                   "forward": the forward in one kernel) against `fused` without a mesh, both
-                   with residuals "inputs" (the mesh's backward recomputes each round's
-                   forward; "auto" would keep gate and up without it): y and dx bitwise,
-                   forward and forward+backward (y and the gradients) timed, and
-                   forward+backward's Mosaic GPU kernels counted in XLA's optimized HLO;
-                   parameters in --param-dtype (float32, the default, as in sessions 15-19;
-                   bfloat16 as bench/layer_profile.py and bench/moe_layer_h200.py have them)
+Probes:
+  dispatch  the dispatch and return kernels in a shard_map over every GPU there is against the
+            protocol's plan (bitwise), 2 rounds, timed, the tables' time alone taken out: on two
+            GPUs, the copies over NVLink
+  overlap   on one GPU, the dispatch and gate/up GEMMs of qwen3_30b_a3b's round (4096 tokens,
+            top-8, 128 experts, a window of --window-factor times the rows) as one kernel with
+            each of --programs copy programs against the separate kernels: bitwise, timed; the
+            copies alone on 16, 48 and all blocks; then the down projection and the return
+            (`down_return` against gmm then send_rows), and the backward's input gradient and
+            its return (`dgrad_return` against gmm then send_rows); each at each of
+            --copy-stages (the copiers' pipelining)
+  layer     `fused` at qwen3_30b_a3b (4096 tokens) on a 1-device mesh (the exchange's kernels,
+            one round) at each of --tiles (options.exchange_tile), --programs
+            (options.exchange_programs) and --fusions (options.exchange_fusion; "forward": the
+            round's forward in one kernel) against `fused` without a mesh, both with residuals
+            "inputs": y and dx bitwise, forward and forward+backward (y and the gradients)
+            timed, and the Mosaic GPU kernels of each in XLA's optimized HLO counted;
+            parameters in --param-dtype (float32; bfloat16 as bench/moe_layer.py has them)
+Times: bench.harness's median of samples of back-to-back calls between two syncs.
 """
 
 from __future__ import annotations
@@ -40,59 +37,7 @@ import time
 
 import numpy as np
 
-PROBES = ("sem_one_block", "sem_blocks", "dispatch", "overlap", "layer")
-
-
-def _sem_one_block() -> dict:
-    import jax
-    import jax.numpy as jnp
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    def kernel(o_ref):
-        sems = pl.get_global(plgpu.SemaphoreType.REGULAR((4,)))
-        pl.semaphore_signal(sems.at[2])
-        pl.semaphore_wait(sems.at[2], 1)
-        o_ref[...] = jnp.full(o_ref.shape, 7, jnp.int32)
-
-    out = plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((128,), jnp.int32))()
-    return {"ok": bool(np.all(np.asarray(out) == 7))}
-
-
-def _sem_blocks() -> dict:
-    import jax
-    import jax.numpy as jnp
-    from jax import lax
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    num_blocks, num_tiles = 132, 40
-    tile_b = (np.arange(num_blocks) * 7) % num_tiles
-    arrivals = np.bincount(tile_b, minlength=num_tiles).astype(np.int32)
-
-    def kernel(tile_ref, arrivals_ref, o_ref):
-        block = lax.axis_index("blocks")
-        sems = pl.get_global(plgpu.SemaphoreType.REGULAR((num_tiles,)))
-        pl.semaphore_signal(sems.at[tile_ref[block]])
-
-        @pl.when(block == 0)
-        def _wait():
-            @pl.loop(0, num_tiles)
-            def _tile(u):
-                pl.semaphore_wait(sems.at[u], arrivals_ref[u])
-
-            o_ref[...] = jnp.full(o_ref.shape, 7, jnp.int32)
-
-    run = plgpu.kernel(
-        kernel,
-        out_type=jax.ShapeDtypeStruct((128,), jnp.int32),
-        grid=(num_blocks,),
-        grid_names=("blocks",),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )
-    tables = (jnp.asarray(tile_b, jnp.int32), jnp.asarray(arrivals))
-    outs = [np.asarray(run(*tables)) for _ in range(3)]
-    return {"ok": all(bool(np.all(o == 7)) for o in outs), "launches": 3}
+PROBES = ("dispatch", "overlap", "layer")
 
 
 def _case():
@@ -128,7 +73,7 @@ def _dispatch() -> dict:
         got = np.asarray(fn(*args)[0]).reshape(ep, slots, d_model)
         ok &= bool(np.array_equal(got[filled[:, r]], want[:, r][filled[:, r]]))
     args = t_mod.placed(mesh, x, counts_se, 0)
-    best_ms = min(_timed_ms(fn, *args))
+    best_ms = _timing(fn, *args)["min_ms"]
 
     # The round's tables alone (the same jit without the copies), to take out of the time.
     def tables_only(x, counts_se, round_index):
@@ -141,7 +86,7 @@ def _dispatch() -> dict:
 
     tables = jax.jit(jax.shard_map(tables_only, mesh=mesh, in_specs=(P(t_mod.AXIS), P(), P()),
                                    out_specs=P(t_mod.AXIS)))  # fmt: skip
-    table_ms = min(_timed_ms(tables, *args))
+    table_ms = _timing(tables, *args)["min_ms"]
     rows = int(np.sum(filled[:, 0]))
     copies = (best_ms - table_ms) / 1e3
     # Dispatch and return: each round-0 row moves twice (to a peer when EP > 1). Per device:
@@ -151,20 +96,18 @@ def _dispatch() -> dict:
             "round0_GBps_per_device": 2 * rows * d_model * 2 / ep / copies / 1e9}  # fmt: skip
 
 
-def _timed_ms(fn, *args, iters: int = 10) -> list[float]:
+def _timing(fn, *args, iters: int = 10) -> dict:
+    """bench.harness's timing of fn(*args): `iters` samples after one warm-up call."""
     import jax
 
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(1e3 * (time.perf_counter() - start))
-    return times
+    from bench import harness as h
+
+    runner = h.Runner(lambda: fn(*args), jax.block_until_ready, h.as_tuple)
+    return h.time_runner(runner, warmup=1, timed=iters, target_sample_s=0.005)
 
 
 def _median_ms(fn, *args, iters: int = 10) -> float:
-    return float(np.median(_timed_ms(fn, *args, iters=iters)))
+    return _timing(fn, *args, iters=iters)["median_ms"]
 
 
 def _overlap(programs: tuple[int, ...], window_factor: float, stages: tuple[int, ...]) -> dict:
@@ -355,7 +298,7 @@ def _layer(
             return jnp.vdot(y.astype(jnp.float32), cotangent), y
 
         # y among the outputs: the loss is linear in y, so jax.grad alone needs no forward
-        # expert kernel and XLA drops them (sessions 13-15 timed the backward that way).
+        # expert kernel and XLA would drop them, timing the routing and the backward only.
         # Compiled once: the object timed is the one whose kernels are counted.
         grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
         grad = grad.lower(x, params).compile()
@@ -402,7 +345,7 @@ def _run_one(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--timeout", type=float, default=60.0)
+    parser.add_argument("--timeout", type=float, default=540.0, help="seconds a probe at most")
     parser.add_argument("--only", choices=PROBES)
     parser.add_argument("--tiles", default="64", help="layer: exchange tiles, comma-separated")
     parser.add_argument(

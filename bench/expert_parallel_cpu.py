@@ -1,18 +1,18 @@
 """Compile and step time of the expert-parallel layer's forward+backward on simulated CPU
-devices, per exchange: the table of the expert-parallelism issue.
+devices, per exchange: what a rack's expert count costs the compiler, without a GPU.
 
-  python bench/expert_parallel_cpu.py            # 8 and 72 devices, both exchanges
+    python -m bench.expert_parallel_cpu            # 8 and 72 devices, both exchanges
 
 Each device count runs in its own process (XLA fixes the CPU device count at start-up). The
 layer is a scaled-down mok_bench (D = F = 64, f32; 144 experts on 72 devices, 32 on 8) with 4
-tokens per device. Prints a markdown table.
+tokens per device; the step time is bench.harness's median of 5 samples. Prints a markdown
+table.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -27,6 +27,7 @@ def measure(num_devices: int) -> list[dict]:
     import jax.numpy as jnp
 
     import mok_jax
+    from bench import harness as h
 
     base = dataclasses.replace(mok_jax.presets["mok_bench"], dtype=jnp.float32)
     cfg = mok_jax.scale_down(base, max_experts=144 if num_devices == 72 else 32)
@@ -48,12 +49,8 @@ def measure(num_devices: int) -> list[dict]:
         start = time.perf_counter()
         compiled = step.lower(x, params).compile()
         compile_s = time.perf_counter() - start
-        jax.block_until_ready(compiled(x, params))
-        times = []
-        for _ in range(5):
-            start = time.perf_counter()
-            jax.block_until_ready(compiled(x, params))
-            times.append(time.perf_counter() - start)
+        runner = h.Runner(lambda c=compiled: c(x, params), jax.block_until_ready, h.as_tuple)
+        timing = h.time_runner(runner, warmup=1, timed=5, target_sample_s=0.0)
         rows.append(
             {
                 "devices": num_devices,
@@ -62,7 +59,7 @@ def measure(num_devices: int) -> list[dict]:
                 "tokens": 4 * num_devices,
                 "exchange": exchange,
                 "compile_s": round(compile_s, 2),
-                "step_ms": round(1e3 * statistics.median(times), 1),
+                "step_ms": round(timing["median_ms"], 1),
             }
         )
     return rows
@@ -82,7 +79,7 @@ def main() -> None:
             XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}",
         )
         out = subprocess.run(
-            [sys.executable, __file__, "--child", str(num_devices)],
+            [sys.executable, "-m", "bench.expert_parallel_cpu", "--child", str(num_devices)],
             env=env,
             capture_output=True,
             text=True,

@@ -2,14 +2,14 @@
 backward products (dx = c @ w^T, dw = x^T @ c; the forward product is unused and dropped) at the
 `gpu` training preset's shapes, bf16 operands, f32 loss.
 
-    PYTHONPATH=. python3 -m bench.gemm_options --out DIR
+    python -m bench.gemm_options --out DIR
 
 Variants: `triton_untuned` (autotuner off, XLA's Triton GEMM fusions: their default tiling),
 `cublas_untuned` (autotuner off, Triton GEMMs off: cuBLAS by its heuristics, as
 `mok_jax.compiler_options()`), `autotuned` (XLA's defaults). Each untuned variant runs in two
-fresh processes, whose gradients are compared by a checksum of their bits. Time: the median of
-10 samples of 6 back-to-back calls between syncs; TFLOP/s counts 4 * M * K * N (two products).
-Writes DIR/gemm_options.json and prints one line per variant and shape.
+fresh processes, whose gradients are compared by a checksum of their bits. Time: bench.harness's
+median of 10 samples of back-to-back calls between two syncs; TFLOP/s counts 4 * M * K * N (two
+products). Writes DIR/gemm_options.json and prints one line per variant and shape.
 """
 
 from __future__ import annotations
@@ -19,11 +19,12 @@ import json
 import pathlib
 import subprocess
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from bench import harness as h
 
 VARIANTS = {
     "triton_untuned": {"xla_gpu_autotune_level": 0},
@@ -49,16 +50,8 @@ def measure(variant: str, shape: str) -> dict:
     grads = jax.jit(jax.grad(loss, argnums=(0, 1)), compiler_options=VARIANTS[variant])
     out = jax.block_until_ready(grads(x, w))
     checksum = [int(np.asarray(a).view(np.uint16).astype(np.uint64).sum()) for a in out]
-    for _ in range(3):
-        jax.block_until_ready(grads(x, w))
-    samples = []
-    for _ in range(10):
-        started = time.perf_counter()
-        for _ in range(6):
-            out = grads(x, w)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - started) / 6)
-    ms = float(np.median(samples)) * 1e3
+    runner = h.Runner(lambda: grads(x, w), jax.block_until_ready, h.as_tuple)
+    ms = h.time_runner(runner, warmup=3, timed=10, target_sample_s=0.005)["median_ms"]
     return {"ms": ms, "tflops": 4 * m * k * n / ms / 1e9, "checksum": checksum}
 
 
@@ -70,7 +63,7 @@ def main() -> None:
     if args.variant:
         print(json.dumps({s: measure(args.variant, s) for s in SHAPES}))
         return
-    results = {"device": jax.devices()[0].device_kind, "jax": jax.__version__}
+    results = {"environment": h.environment("gemm_options")}
     for variant in VARIANTS:
         runs = []
         for _ in range(1 if variant == "autotuned" else 2):

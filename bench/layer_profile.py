@@ -1,6 +1,6 @@
 """Where the MoE layer's time goes on the GPU: kernel time per stage, from a JAX profile.
 
-    PYTHONPATH=. python3 -m bench.layer_profile --out DIR [--shapes qwen3,mixtral]
+    python -m bench.layer_profile --out DIR [--shapes qwen3,mixtral]
         [--implementations pallas,fused] [--products forward,fwd_bwd] [--iters 3]
         [--token-chunks 512,2048] [--no-command-buffers]
 
@@ -10,7 +10,7 @@ layer's options are "auto" (`mok_jax.resolve` picks them for the device), and th
 each of --token-chunks where given.
 
 For each shape, implementation and product (the forward, or the forward and backward of
-sum(y * cotangent), as in bench/fused_probe.py), after warm-up, records `iters` calls under
+sum(y * cotangent) and the aux loss), after warm-up, records `iters` calls under
 jax.profiler, reads the device's kernel events back from the trace (jax.profiler.ProfileData)
 and charges each kernel to the layer stage its HLO instruction came from: the named scope
 (route, plan, dispatch, experts, combine, aux) in the instruction's op_name metadata of the
@@ -33,7 +33,6 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import argparse
 import collections
 import dataclasses
-import datetime
 import glob
 import itertools
 import json
@@ -47,6 +46,7 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
+from bench import harness as h
 from mok_jax import MoEOptions, init_params, make_mesh, moe, presets, scale_down
 
 # exchange_experts: `fused` under a mesh, whose kernels exchange rows while they compute.
@@ -56,7 +56,7 @@ STAGES = ("route", "plan", "dispatch", "exchange_experts", "experts", "return", 
 # copying to the device itself). Kernel times are the first GPU's.
 _MESH = re.compile(r"(.+)_mesh(\d+)")
 OTHER = "other"
-# (preset, tokens T) of issue 5's layer benchmark; E, k, D, F from the preset.
+# (preset, tokens T, experts) of bench/moe_layer.py's shapes; E, k, D, F from the preset.
 SHAPES = {
     "qwen3": ("qwen3_30b_a3b", 16384, None),
     "mixtral": ("mixtral_8x7b", 8192, None),
@@ -186,7 +186,7 @@ def _layer(name: str, implementation: str, product: str, token_chunk: int | None
     keys = jax.random.split(jax.random.key(1), 3)
     x = jax.random.normal(keys[0], (tokens, cfg.d_model), jnp.float32).astype(jnp.bfloat16)
     cotangent = jax.random.normal(keys[1], x.shape, jnp.float32).astype(jnp.bfloat16)
-    # bf16 parameters, as bench/moe_layer_h200.py times them (f32 ones add their casts to the
+    # bf16 parameters, as bench/moe_layer.py times them (f32 ones add their casts to the
     # experts' stage: ~0.28 ms each of w_gate, w_up and w_down at qwen3).
     params = init_params(keys[2], cfg, dtype=jnp.bfloat16)
 
@@ -264,13 +264,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.iters < 1:
         parser.error(f"--iters must be >= 1, got {args.iters}")
     args.out.mkdir(parents=True, exist_ok=True)
-    header = {
-        "command": "python3 -m bench.layer_profile " + " ".join(argv or []),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "device": jax.devices()[0].device_kind,
-        "jax": jax.__version__,
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),
-    }
+    header = h.environment("layer_profile", argv)
     records = []
     chunks = [int(c) for c in args.token_chunks.split(",") if c] or [None]
     cases = itertools.product(
@@ -284,9 +278,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         records.append(record)
         brief = ("shape", "implementation", "token_chunk", "product", "span_ms", "stages")
         print(json.dumps({k: record[k] for k in brief}), flush=True)
-        (args.out / "layer_profile.json").write_text(json.dumps(records, indent=1))
-        (args.out / "layer_profile.md").write_text(
-            f"{header['command']}, {header['date']}, {header['device']}\n\n" + render(records)
+        text = f"`{header['command']}`, {header['date']}, {h.versions_line(header)}\n\n"
+        h.write_files(
+            args.out,
+            {
+                "layer_profile.json": json.dumps(records, indent=1),
+                "layer_profile.md": text + render(records),
+            },
         )
 
 

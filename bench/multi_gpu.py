@@ -1,29 +1,28 @@
-"""The expert-parallel layer on several GPUs of one host: correctness, weak scaling, bandwidth.
+"""The expert-parallel layer on the GPUs of one host: correctness, weak scaling, bandwidth.
 
-    PYTHONPATH=. python3 -m bench.multi_gpu --out DIR            # every GPU of the machine
-    PYTHONPATH=. python3 -m bench.multi_gpu --out DIR --smoke    # CPU, 8 simulated devices
+    python -m bench.multi_gpu --out DIR            # every GPU of the machine
+    python -m bench.multi_gpu --out DIR --smoke    # CPU, 8 simulated devices
+    python -m bench.multi_gpu report DIR/multi_gpu.json ...    # the markdown tables
 
 One process drives every GPU (a single-host mesh). Three parts, each rewriting
 `DIR/multi_gpu.json` after every measurement so a cut run keeps what it measured:
 
 1. correctness: one global batch through the layer with EP = 1 (a single GPU) and EP = 2, 4, ...
    (as many as there are GPUs), both exchanges: values and gradients against the single-GPU
-   result (the tolerance table and bitwise), and each configuration run 3 times compared bitwise.
+   result (the tolerance table and bitwise), and each configuration run 3 times compared bitwise;
+   at EP 1 also against the layer without a mesh, bit for bit.
 2. scaling: forward+backward at fixed tokens per device (weak scaling) for EP = 1, 2, 4, ...,
    per exchange, and the same program with the exchange replaced by a local copy of the same
    rows ("no exchange": the time the experts and the rest take), so the communication share is
-   1 - no_exchange / full. The time is a median of `--timed` runs after a compile and a warm-up.
+   1 - no_exchange / full. The time: bench.harness's median of `--timed` samples.
 3. bandwidth: the exchange's collectives alone at the layer's dispatch size (each device sends
    N = T k rows of D bf16, an equal share to every device): `lax.ragged_all_to_all`, the dense
    `lax.all_to_all` and one ring hop of `lax.ppermute`; bytes that leave a device per second.
 
 `--exchanges` may name `fused` among the exchanges: implementation "fused", whose exchange runs
-inside its own kernels (issue 7), against the others run with `--implementation` (xla by
-default, or pallas); each implementation is compared with its own EP 1 run, and fused's scaling
-rows have no "no exchange" variant yet.
-
-NVLink multicast stays off (NCCL_NVLS_ENABLE=0 is set here before jax starts, as the device's
-README asks; it is already set on the lent machines).
+inside its own kernels, against the others run with `--implementation` (xla by default, or
+pallas); each implementation is compared with its own EP 1 run, and fused's scaling rows have no
+"no exchange" variant. NVLink multicast stays off (NCCL_NVLS_ENABLE=0 is set before jax starts).
 """
 
 from __future__ import annotations
@@ -31,12 +30,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import datetime
 import json
 import os
 import pathlib
-import statistics
-import subprocess
 import sys
 import time
 
@@ -53,6 +49,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import mok_jax
+from bench import harness as h
 from mok_jax import compiler_options, exchange, make_mesh, routed
 from mok_jax.mesh import shard_params, shard_tokens
 
@@ -83,26 +80,26 @@ def step_fn(cfg, mesh):
 
 
 def inputs(cfg, num_tokens: int, mesh):
+    """x, the parameters and the cotangent, placed on `mesh` (None: unplaced)."""
     key_p, key_x, key_c = jax.random.split(jax.random.key(0), 3)
     params = mok_jax.init_params(key_p, cfg)
     x = jax.random.normal(key_x, (num_tokens, cfg.d_model), jnp.float32).astype(cfg.dtype)
     cotangent = jax.random.normal(key_c, (num_tokens, cfg.d_model), jnp.float32)
+    if mesh is None:
+        return x, params, cotangent
     return shard_tokens(x, mesh), shard_params(params, mesh), shard_tokens(cotangent, mesh)
 
 
 def sync_time(fn, *args, timed: int) -> tuple[float, float, list[float], object]:
-    """(compile + first run s, median ms, all ms, last result) over `timed` runs after one
-    warm-up run, each run timed between host synchronizations."""
+    """(compile + first run s, median ms, all sample ms, last result): bench.harness's
+    `time_runner` (one warm-up call) of the jitted fn(*args)."""
     start = time.perf_counter()
     out = jax.block_until_ready(fn(*args))
     first = time.perf_counter() - start
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(timed):
-        start = time.perf_counter()
-        out = jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - start) * 1e3)
-    return first, statistics.median(times), times, out
+    runner = h.Runner(lambda: fn(*args), jax.block_until_ready, h.as_tuple)
+    keep: dict = {}
+    t = h.time_runner(runner, warmup=1, timed=timed, target_sample_s=0.005, keep=keep)
+    return first, t["median_ms"], t["samples_ms"], keep.get("out", out)
 
 
 def to_host(tree):
@@ -162,8 +159,8 @@ def within_tolerance(actual, expected, dtype) -> bool:
 
 EP_DEGREES = [1, 2, 4, 8, 16, 32, 64]
 EXCHANGES = list(mok_jax.EXCHANGES)
-# "--exchanges ...,fused": implementation "fused", whose exchange runs inside its own kernels
-# (issue 7); "fused@N" the same with options.exchange_programs N (0: the dispatch not overlapped
+# "--exchanges ...,fused": implementation "fused", whose exchange runs inside its own kernels;
+# "fused@N" the same with options.exchange_programs N (0: the dispatch not overlapped
 # with the GEMMs; at EP 1, which has no exchange, it is "fused"). fused's residuals are "inputs"
 # at every EP, as under the exchange ("auto" would keep gate and up at EP 1), so that its EP 1
 # run computes what the others do. The other exchanges run with --implementation (xla by
@@ -215,6 +212,8 @@ def correctness(name, cfg, num_tokens, record, timed) -> None:
             if ep == 1:
                 base[c.implementation] = runs[0]
                 row["is_single_gpu_baseline"] = True
+                plain = to_host(step_fn(c, None)(*inputs(c, num_tokens, None)))
+                row["bitwise_vs_no_mesh"] = compare(runs[0], plain)[0]
             else:
                 one = base[c.implementation]
                 same, err = compare(runs[0], one)
@@ -428,15 +427,6 @@ def report(results: list[dict]) -> str:
 # --- the run ---------------------------------------------------------------------------------
 
 
-def git_commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main(argv: list[str]) -> None:
     if argv[:1] == ["report"]:  # python -m bench.multi_gpu report A.json B.json ...
         print(report([json.loads(pathlib.Path(p).read_text()) for p in argv[1:]]))
@@ -463,12 +453,9 @@ def main(argv: list[str]) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     devices = jax.devices()
     results = {
-        "command": "PYTHONPATH=. python3 -m bench.multi_gpu " + " ".join(argv),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        **h.environment("multi_gpu", argv),
         "devices": [str(d) for d in devices],
         "device_kind": devices[0].device_kind,
-        "jax": jax.__version__,
-        "git_commit": git_commit(),
         "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "rows": [],
