@@ -1,8 +1,8 @@
-"""A performance model of the expert-parallel MoE layer on a rack (issue 7): forward and
+"""A performance model of the expert-parallel MoE layer on a rack: forward and
 backward time per device from the shapes, the routing imbalance, the GPU's GEMM rate and HBM
 bandwidth and the link bandwidth, for the exchanges `ragged_all_to_all`, `ring` and `fused`.
 
-    PYTHONPATH=. python -m bench.rack_model --out bench/results/DATE_rack_model
+    python -m bench.rack_model --out DIR
 
 The model (per device, per direction; the device that receives the most rows sets the time):
 
@@ -772,7 +772,7 @@ class Measured:
 
 def _layer_shape(record: dict) -> LayerShape:
     """A results file's shape: its mok_jax preset, with its expert count where it sets one
-    (bench/moe_layer_h200.py: LayerShape.config)."""
+    (bench/moe_layer.py: LayerShape.config)."""
     cfg = mok_jax.presets[record["preset"]]
     if record.get("num_experts") is not None:
         cfg = dataclasses.replace(cfg, num_experts=record["num_experts"])
@@ -865,7 +865,8 @@ def calibration_rows(hw: Hardware, points: Sequence[Measured]) -> list[dict]:
 
 
 def _final_rows(path: pathlib.Path) -> list[dict]:
-    """The rows of the runs with the final code: call 3 (qwen3, bandwidth) and call 4."""
+    """The rows of the runs with the final code: the results file's entries 3 (qwen3,
+    bandwidth) and 4."""
     calls = json.loads(path.read_text())["calls"]
     return [row for c in calls if c["call"] in (3, 4) for row in c["result"]["rows"]]
 
@@ -1182,28 +1183,14 @@ def markdown_speedups(report: dict) -> list[str]:
     rows = []
     for s in report["gb300"]["speedups"]:
         f, b = s["forward"], s["backward"]
-        rows.append(
-            [
-                s["layout"],
-                s["dtype"].upper(),
-                f"{s['link']} {s['link_fraction']:.2f}",
-                f"{_ms(f['fused_ms'])} / {_ms(f['best_other_ms'])} ({f['best_other']})",
-                f"{f['speedup']:.2f}x",
-                f"{_ms(b['fused_ms'])} / {_ms(b['best_other_ms'])}",
-                f"{b['speedup']:.2f}x",
-                f"{s['mok_claim'][0]}x / {s['mok_claim'][1]}x",
-            ]
-        )
-    header = [
-        "layout",
-        "dtype",
-        "link fraction",
-        "fwd ms: fused / best other",
-        "fwd speedup",
-        "bwd ms: fused / best other",
-        "bwd speedup",
-        "MoK claims fwd / bwd",
-    ]
+        rows.append([
+            s["layout"], s["dtype"].upper(), f"{s['link']} {s['link_fraction']:.2f}",
+            f"{_ms(f['fused_ms'])} / {_ms(f['best_other_ms'])} ({f['best_other']})",
+            f"{f['speedup']:.2f}x", f"{_ms(b['fused_ms'])} / {_ms(b['best_other_ms'])}",
+            f"{b['speedup']:.2f}x", f"{s['mok_claim'][0]}x / {s['mok_claim'][1]}x",
+        ])  # fmt: skip
+    header = ["layout", "dtype", "link fraction", "fwd ms: fused / best other", "fwd speedup",
+              "bwd ms: fused / best other", "bwd speedup", "MoK claims fwd / bwd"]  # fmt: skip
     return _table(header, rows)
 
 
@@ -1230,20 +1217,9 @@ def _md_calibration(report: dict, command: str) -> list[str]:
         f"{100 * cal['max_abs_error']:.1f}%, RMS {100 * cal['rms_error']:.1f}%.",
         "",
     ]
-    out += _table(
-        ["run", "point", "measured ms", "model ms", "error"],
-        [
-            [
-                r["run"],
-                r["point"],
-                _ms(r["measured_ms"]),
-                _ms(r["model_ms"]),
-                f"{100 * r['error']:+.1f}%",
-            ]
-            for r in cal["points"]
-        ],
-    )
-    return out
+    rows = [[r["run"], r["point"], _ms(r["measured_ms"]), _ms(r["model_ms"]),
+             f"{100 * r['error']:+.1f}%"] for r in cal["points"]]  # fmt: skip
+    return out + _table(["run", "point", "measured ms", "model ms", "error"], rows)
 
 
 def _md_check(report: dict) -> list[str]:
@@ -1263,31 +1239,13 @@ def _md_check(report: dict) -> list[str]:
         "time too).",
         "",
     ]
-    out += _table(
-        [
-            "case",
-            "tokens/device",
-            "exchange",
-            "link fraction",
-            "measured fwd+bwd ms",
-            "measured exchange ms",
-            "model transfer ms",
-            "model exposed ms",
-        ],
-        [
-            [
-                r["case"],
-                r["tokens_per_device"],
-                r["exchange"],
-                f"{r['link_fraction']:.3f}",
-                _ms(r["measured_fwd_bwd_ms"]),
-                _ms(r["measured_exchange_ms"]),
-                _ms(r["model_transfer_ms"]),
-                _ms(r["model_exposed_ms"]),
-            ]
-            for r in report["ep2_check"]
-        ],
-    )
+    ms_keys = ("measured_fwd_bwd_ms", "measured_exchange_ms", "model_transfer_ms",
+               "model_exposed_ms")  # fmt: skip
+    rows = [[r["case"], r["tokens_per_device"], r["exchange"], f"{r['link_fraction']:.3f}",
+             *(_ms(r[k]) for k in ms_keys)] for r in report["ep2_check"]]  # fmt: skip
+    header = ["case", "tokens/device", "exchange", "link fraction", "measured fwd+bwd ms",
+              "measured exchange ms", "model transfer ms", "model exposed ms"]  # fmt: skip
+    out += _table(header, rows)
     out += [
         "",
         "`fused`, its exchange in our own kernels (issue 8's run 3): the measured forward+backward "
@@ -1296,35 +1254,14 @@ def _md_check(report: dict) -> list[str]:
         "rate the exchange's copies would have reached if the model's other terms held).",
         "",
     ]
-    out += _table(
-        [
-            "case",
-            "tokens/device",
-            "EP",
-            "exchange",
-            "link fraction",
-            "measured fwd+bwd ms",
-            "model fwd+bwd ms",
-            "model transfer ms",
-            "model exposed ms",
-            "implied link fraction",
-        ],
-        [
-            [
-                r["case"],
-                r["tokens_per_device"],
-                r["ep"],
-                r["exchange"],
-                f"{r['link_fraction']:.3f}",
-                _ms(r["measured_fwd_bwd_ms"]),
-                _ms(r["model_fwd_bwd_ms"]),
-                _ms(r["model_transfer_ms"]),
-                _ms(r["model_exposed_ms"]),
-                "-" if r["implied_link_fraction"] is None else f"{r['implied_link_fraction']:.3f}",
-            ]
-            for r in report["fused_check"]
-        ],
-    )
+    ms_keys = ("measured_fwd_bwd_ms", "model_fwd_bwd_ms", "model_transfer_ms", "model_exposed_ms")
+    rows = [[r["case"], r["tokens_per_device"], r["ep"], r["exchange"],
+             f"{r['link_fraction']:.3f}", *(_ms(r[k]) for k in ms_keys),
+             "-" if r["implied_link_fraction"] is None else f"{r['implied_link_fraction']:.3f}"]
+            for r in report["fused_check"]]  # fmt: skip
+    out += _table(["case", "tokens/device", "EP", "exchange", "link fraction",
+                   "measured fwd+bwd ms", "model fwd+bwd ms", "model transfer ms",
+                   "model exposed ms", "implied link fraction"], rows)  # fmt: skip
     return out
 
 
@@ -1349,38 +1286,19 @@ def _md_rack(report: dict) -> list[str]:
     ]
     out += markdown_speedups(report)
     out += ["", "Where the time goes (ms; exposed = transfer not hidden by compute):", ""]
-    out += _table(
-        [
-            "link",
-            "layout",
-            "dtype",
-            "exchange",
-            "fwd gemm",
-            "fwd memory",
-            "fwd transfer",
-            "fwd exposed",
-            "fwd total",
-            "bwd gemm",
-            "bwd memory",
-            "bwd transfer",
-            "bwd exposed",
-            "bwd total",
-        ],
-        [
-            [
-                f"{r['link']} {r['link_fraction']:.2f}",
-                r["layout"],
-                r["dtype"].upper(),
-                r["exchange"],
-                *(
-                    _ms(r[f"{d}_ms"][k])
-                    for d in ("forward", "backward")
-                    for k in ("gemm", "memory", "transfer", "exposed_transfer", "total")
-                ),
-            ]
-            for r in g["predictions"]
-        ],
-    )
+    parts = ("gemm", "memory", "transfer", "exposed", "total")
+    header = [
+        "link",
+        "layout",
+        "dtype",
+        "exchange",
+        *(f"{d} {k}" for d in ("fwd", "bwd") for k in parts),
+    ]
+    keys = ("gemm", "memory", "transfer", "exposed_transfer", "total")
+    rows = [[f"{r['link']} {r['link_fraction']:.2f}", r["layout"], r["dtype"].upper(),
+             r["exchange"], *(_ms(r[f"{d}_ms"][k]) for d in ("forward", "backward") for k in keys)]
+            for r in g["predictions"]]  # fmt: skip
+    out += _table(header, rows)
     return out
 
 
@@ -1394,17 +1312,10 @@ def _md_extras(report: dict) -> list[str]:
         f"uniform random routing would give rho about {uniform}:",
         "",
     ]
-    out += _table(
-        [
-            "rho",
-            f"rounds (buffer_factor {report['exchange_config']['buffer_factor']:g})",
-            *EXCHANGES,
-        ],
-        [
-            [r["imbalance"], r["rounds"], *(_ms(r["fwd_bwd_ms"][e]) for e in EXCHANGES)]
-            for r in g["imbalance"]
-        ],
-    )
+    factor = report["exchange_config"]["buffer_factor"]
+    rows = [[r["imbalance"], r["rounds"], *(_ms(r["fwd_bwd_ms"][e]) for e in EXCHANGES)]
+            for r in g["imbalance"]]  # fmt: skip
+    out += _table(["rho", f"rounds (buffer_factor {factor:g})", *EXCHANGES], rows)
     allreduce = ", ".join(f"{k} {_ms(v)} ms" for k, v in g["expert_grad_allreduce_ms"].items() if v)
     quantize = ", ".join(f"{k} {_ms(v)} ms" for k, v in g["fp8_weight_quantize_ms"].items())
     dp = RACK_LAYOUTS["9 x 8"]
