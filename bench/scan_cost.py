@@ -2,8 +2,7 @@
 (as `train.model.scan_groups` applies them) against the same blocks unrolled (each block its
 own copy in the program), at a reduced depth.
 
-    PYTHONPATH=. python3 -m bench.scan_cost --out DIR [--preset gpu] [--layers 2] \
-        [--steps 10] [--rounds 3]
+    python -m bench.scan_cost --out DIR [--preset gpu] [--layers 2] [--steps 10] [--rounds 3]
 
 Unrolled, the MoE layer's kernels and their backward are compiled once per block (at the
 `gpu` preset's 12 blocks, minutes), so both variants run the preset with `--layers` blocks.
@@ -31,6 +30,7 @@ from unittest import mock
 
 import jax
 
+from bench import harness as h
 from train import data as data_lib
 from train import model as model_lib
 from train.config import PRESETS
@@ -132,7 +132,7 @@ def main(argv=None) -> None:
     results = measure(model_cfg, train_cfg, args.steps, args.rounds)
     summary = summarize(results, args.layers, args.full_step_ms, preset.model.n_layers)
     record = {
-        "device": jax.devices()[0].device_kind,
+        "environment": h.environment("scan_cost", argv),
         "preset": args.preset,
         "layers": args.layers,
         "batch_size": train_cfg.batch_size,
@@ -140,8 +140,7 @@ def main(argv=None) -> None:
         "results": results,
         "summary": summary,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "scan_cost.json").write_text(json.dumps(record, indent=1) + "\n")
+    h.write_files(args.out, {"scan_cost.json": json.dumps(record, indent=1) + "\n"})
     for name, result in results.items():
         rounds = ", ".join(f"{ms:.2f}" for ms in result["round_ms"])
         print(

@@ -1,7 +1,7 @@
 """Where the training step's time goes on the GPU: kernel time per part of the model.
 
-    XLA_FLAGS=--xla_gpu_enable_command_buffer= PYTHONPATH=. python3 -m bench.train_profile \
-        --out DIR [--preset gpu] [--implementation fused] [--iters 3] [--batch-size N] [--top 25]
+    XLA_FLAGS=--xla_gpu_enable_command_buffer= python -m bench.train_profile --out DIR
+        [--preset gpu] [--implementation fused] [--iters 3] [--batch-size N] [--top 25]
 
 Compiles the preset's train step (one device, no mesh), runs it a few times, then records
 `iters` steps under jax.profiler and charges each GPU kernel to the part of the model its HLO
@@ -29,6 +29,7 @@ import time
 import jax
 import numpy as np
 
+from bench import harness as h
 from bench.layer_profile import STAGES, _device_events, op_of_instructions
 from train import data as data_lib
 from train.config import PRESETS
@@ -151,16 +152,21 @@ def main(argv=None) -> None:
     trainer = Trainer(preset.model, train_cfg, None)
     result = profile(trainer, args.iters, top=args.top)
     result |= {
+        "environment": h.environment("train_profile", argv),
         "device": jax.devices()[0].device_kind,
         "preset": args.preset,
         "implementation": train_cfg.implementation,
         "batch_size": train_cfg.batch_size,
         "remat": trainer.remat,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "train_profile.json").write_text(json.dumps(result, indent=1) + "\n")
     text = render(result)
-    (args.out / "train_profile.md").write_text(text + "\n")
+    h.write_files(
+        args.out,
+        {
+            "train_profile.json": json.dumps(result, indent=1) + "\n",
+            "train_profile.md": text + "\n",
+        },
+    )
     print(text)
     print("kernels / step:", int(np.round(sum(v["kernels"] for v in result["parts"].values()))))
 

@@ -31,14 +31,10 @@ Torch recomputes what the JAX step does (`--torch-remat match`). Batches are ran
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import datetime
-import importlib.metadata
 import json
 import os
 import pathlib
-import shlex
 import shutil
 import signal
 import statistics
@@ -51,6 +47,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from bench import harness as h
 from mok_jax import MoEConfig
 from train import memory
 from train.config import PRESETS, ModelConfig, TrainConfig
@@ -61,8 +58,7 @@ from train.step import Trainer
 CANDIDATES = ("xla", "pallas", "fused", "reference", "torch")
 JAX_CANDIDATES = CANDIDATES[:-1]
 GIB = 1024**3
-REPO = pathlib.Path(__file__).resolve().parents[1]
-PACKAGES = ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda13-plugin", "flax", "optax", "torch")
+REPO = h.ROOT
 
 
 def configs() -> dict[str, tuple[ModelConfig, TrainConfig]]:
@@ -386,24 +382,6 @@ def finish(record: dict) -> None:
     paired["ratios"] = ratios
 
 
-def environment(argv: list[str]) -> dict[str, Any]:
-    def git(*cmd):
-        run = subprocess.run(["git", *cmd], cwd=REPO, capture_output=True, text=True, check=False)
-        return run.stdout.strip() if run.returncode == 0 else None
-
-    versions = {}
-    for name in PACKAGES:
-        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-            versions[name] = importlib.metadata.version(name)
-    return {
-        "command": shlex.join(["python3", "-m", "bench.train_step", *argv]),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "python": sys.version.split()[0], "versions": versions,
-        "git_commit": git("rev-parse", "HEAD"),
-        "git_uncommitted": bool(git("status", "--porcelain", "--untracked-files=no")),
-    }  # fmt: skip
-
-
 def _fmt(value, spec: str, scale: float = 1.0) -> str:
     return "" if value is None else format(value * scale, spec)
 
@@ -526,7 +504,8 @@ def main(argv: list[str] | None = None) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     json_path = args.out / "train_step.json"
     results = json.loads(json_path.read_text()) if json_path.exists() else {"configs": {}}
-    results["environment"] = env = environment(argv)
+    # No device: this process starts none, so that the jobs' processes have the GPU.
+    results["environment"] = env = h.environment("train_step", argv, device=False)
     bench = Bench(args, results["configs"])
     for name in args.configs:
         model_cfg, train_cfg = bench.cfgs[name]
@@ -550,9 +529,10 @@ def main(argv: list[str] | None = None) -> dict:
         kinds = {c.get("device_kind") for c in record["candidates"].values()} - {None}
         record["device_kind"] = ", ".join(sorted(kinds)) or None
         finish(record)
-    json_path.write_text(json.dumps(results, indent=1))
     text = markdown(results)
-    (args.out / "train_step.md").write_text(text)
+    h.write_files(
+        args.out, {"train_step.json": json.dumps(results, indent=1), "train_step.md": text}
+    )
     print(text)
     return results
 
