@@ -11,9 +11,9 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
-# The benchmarks' Python (bench/results/ not counted): the ceiling of the shared harness and one
-# short script per benchmark. Raise it only with a reason in the commit.
-MAX_LINES = 8200
+# The benchmarks' Python (bench/results/ not counted): a ceiling, so that shared code stays in the
+# harness. Raise it only with a reason in the commit.
+MAX_LINES = 8000
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -85,11 +85,16 @@ def _commands(text: str) -> set[str]:
     return set(re.findall(r"python3? -m (bench\.[a-z_.]+)", text))
 
 
-@pytest.mark.parametrize(
-    "doc", ["bench/README.md", "README.md", *sorted(p.name for p in (ROOT / "docs").glob("*.md"))]
-)
+DOCS = [
+    "bench/README.md",
+    "README.md",
+    *sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md")),
+]
+
+
+@pytest.mark.parametrize("doc", DOCS)
 def test_documented_commands_name_modules_that_exist(doc):
-    path = ROOT / doc if (ROOT / doc).exists() else ROOT / "docs" / doc
+    path = ROOT / doc
     modules = _modules()
     missing = sorted(c for c in _commands(path.read_text()) if c not in modules)
     assert not missing, f"{doc} runs modules that do not exist: {missing}"
