@@ -1,10 +1,10 @@
 """Activation memory of the MoE layer per token: what each implementation saves for
 its backward pass, measured on the CPU without allocating it.
 
-    PYTHONPATH=. python -m bench.activation_memory --out bench/results/DATE_activation_memory
+    python -m bench.activation_memory --out DIR/activation_memory
         [--shapes qwen3_30b_a3b,mixtral_8x7b,dsv3_slice]
         [--implementations xla,pallas,fused,fused_gate_up]
-    PYTHONPATH=. python -m bench.activation_memory --smoke     # tiny layers, for a quick look
+    python -m bench.activation_memory --smoke     # tiny layers, for a quick look
 
 Method. The residuals of the layer's VJP: `jax.vjp(lambda x, p: moe(x, p, cfg)[0], x, params)`
 traced on abstract values (`jax.ShapeDtypeStruct`s, nothing allocated, so the pallas and fused
@@ -380,7 +380,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     shapes = _shapes(args.shapes, args.smoke)
     results = run(shapes, _implementations(args.implementations))
-    command = "PYTHONPATH=. python -m bench.activation_memory " + " ".join(
+    command = "python -m bench.activation_memory " + " ".join(
         sys.argv[1:] if argv is None else argv
     )
     date = datetime.date.today().isoformat()
