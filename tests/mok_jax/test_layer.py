@@ -1,5 +1,7 @@
-"""The MoE layer's contract, held against the reference: one base class, one thin subclass per
-implementation (later implementations add theirs)."""
+"""The MoE layer's contract, held against the reference: one base class, `_LayerTest`, and one
+thin subclass per implementation (`reference`, `xla`, `pallas`, `fused`), each with the tests
+particular to it. The kernel implementations run their Mosaic GPU kernels in GPU interpret mode
+on a CPU backend. A subclass names its tests of the fast tier; the others are marked slow."""
 
 from __future__ import annotations
 
@@ -58,10 +60,49 @@ def compiled_float_scatter_adds(hlo_text: str) -> list[str]:
     return found
 
 
+# Real layer sizes on the GPU (skipped without one): the deterministic formulation must hold
+# where XLA's GPU scatters and reductions would otherwise differ from run to run.
+GPU_LAYERS = {
+    "qwen3_30b_a3b": (presets["qwen3_30b_a3b"], 4096),
+    "mixtral_8x7b": (presets["mixtral_8x7b"], 2048),
+    "deepseek_v3_e32": (dataclasses.replace(presets["deepseek_v3"], num_experts=32), 2048),
+}
+
+
 class _LayerTest(chex.TestCase):
-    """What every implementation must do. Subclasses set `implementation`."""
+    """What every implementation must do. Subclasses set `implementation`, the dtypes it
+    computes in (`compute_dtypes`: a test of another compute dtype is skipped), whether its
+    forward and backward are free of scatter-adds (`scatter_free`: the deterministic
+    formulation; the reference is a plain per-expert loop), the platform the scatter check
+    lowers for (`lowering_platforms`: None for this backend, where the kernels run in interpret
+    mode, which lowering for CUDA cannot take), and its tests of the fast tier (`fast`: name
+    prefixes of the generated test methods; every other test of the subclass, but its GPU
+    tests, is marked slow)."""
 
     implementation: str
+    compute_dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")
+    scatter_free: bool = True
+    lowering_platforms: tuple[str, ...] | None = ("cuda",)
+    fast: tuple[str, ...] = ()
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for name in dir(cls):
+            test = getattr(cls, name)
+            if not name.startswith("test") or not callable(test) or name.startswith(cls.fast):
+                continue
+            if any(mark.name == "gpu" for mark in getattr(test, "pytestmark", [])):
+                continue
+            # A copy of the method for this subclass, so the mark stays on this one.
+            setattr(cls, name, pytest.mark.slow(functools.wraps(test)(_call(test))))
+
+    def skip_unless_it_computes_in(self, dtype) -> None:
+        if jnp.dtype(dtype).name not in self.compute_dtypes:
+            self.skipTest(f"{self.implementation!r} computes in {self.compute_dtypes}")
+
+    def skip_unless_scatter_free(self) -> None:
+        if not self.scatter_free:
+            self.skipTest(f"{self.implementation!r} is the oracle: its gradients scatter-add")
 
     def cfg(self, base: MoEConfig = TINY, **changes) -> MoEConfig:
         return with_impl(base, self.implementation, **changes)
@@ -93,6 +134,7 @@ class _LayerTest(chex.TestCase):
 
     @parameterized.product(preset=sorted(SCALED_PRESETS), dtype=("float32", "bfloat16"))
     def test_matches_reference(self, preset, dtype):
+        self.skip_unless_it_computes_in(dtype)
         cfg = self.cfg(SCALED_PRESETS[preset], dtype=dtype)
         self.check_against_reference(cfg, num_tokens=48, seed=len(preset))
 
@@ -148,6 +190,7 @@ class _LayerTest(chex.TestCase):
 
     @parameterized.parameters(("float32", "bfloat16"), ("bfloat16", "float32"))
     def test_input_and_compute_dtypes_differ(self, x_dtype, compute_dtype):
+        self.skip_unless_it_computes_in(compute_dtype)
         self.check_against_reference(self.cfg(dtype=compute_dtype), num_tokens=24, x_dtype=x_dtype)
 
     def test_leading_dimensions_are_tokens(self):
@@ -163,6 +206,7 @@ class _LayerTest(chex.TestCase):
         ("float32", "bfloat16"), ("bfloat16", "float32"), ("float16", "float32")
     )
     def test_output_has_input_dtype(self, x_dtype, compute_dtype):
+        self.skip_unless_it_computes_in(compute_dtype)
         cfg = self.cfg(dtype=compute_dtype)
         x, params, _ = random_inputs(cfg, 16, x_dtype=x_dtype)
         y, _ = moe(x, params, cfg)
@@ -177,6 +221,7 @@ class _LayerTest(chex.TestCase):
 
     @parameterized.parameters("float32", "bfloat16")
     def test_bitwise_repeatable(self, dtype):
+        self.skip_unless_it_computes_in(dtype)
         cfg = self.cfg(SCALED_PRESETS["deepseek_v3"], dtype=dtype)
         x, params, cotangent = random_inputs(cfg, 64, seed=3)
         first = value_and_grads(x, params, cotangent, cfg=cfg)
@@ -190,6 +235,9 @@ class _LayerTest(chex.TestCase):
         chex.assert_trees_all_equal(grads[1].router_bias, jnp.zeros_like(grads[1].router_bias))
 
     def test_traced_once_per_shape(self):
+        # chex counts the traces of `forward` by its code, which every subclass's copy of this
+        # test shares (in one process): the count starts at zero for this one.
+        chex.clear_trace_counter()
         cfg = self.cfg()
         _, params, _ = random_inputs(cfg, 8)
 
@@ -202,11 +250,17 @@ class _LayerTest(chex.TestCase):
             forward(random_inputs(cfg, 8, seed=seed)[0], params)
 
     @parameterized.parameters("deepseek_v3", "switch", "qwen3_30b_a3b")
-    def test_no_scatter_add_when_lowered_for_cuda(self, preset):
+    def test_no_scatter_add_when_lowered(self, preset):
+        """For CUDA (the kernel implementations: for this backend, their kernels as
+        interpret-mode callbacks; the kernels have no atomics, invariants 2 and 3 of the grouped
+        GEMMs, and tests/pallas_kernels/test_contracts.py lowers them for CUDA)."""
+        self.skip_unless_scatter_free()
         cfg = self.cfg(SCALED_PRESETS[preset])
         x, params, cotangent = random_inputs(cfg, 32)
-        lowered = value_and_grads.trace(x, params, cotangent, cfg=cfg).lower(
-            lowering_platforms=("cuda",)
+        traced = value_and_grads.trace(x, params, cotangent, cfg=cfg)
+        platforms = self.lowering_platforms
+        lowered = (
+            traced.lower() if platforms is None else traced.lower(lowering_platforms=platforms)
         )
         combiners = scatter_combiners(lowered.as_text())
         self.assertFalse(
@@ -215,35 +269,67 @@ class _LayerTest(chex.TestCase):
         )
 
     def test_no_float_scatter_add_after_compilation(self):
+        self.skip_unless_scatter_free()
         cfg = self.cfg(SCALED_PRESETS["deepseek_v3"])
         x, params, cotangent = random_inputs(cfg, 32)
         compiled = value_and_grads.lower(x, params, cotangent, cfg=cfg).compile()
         self.assertEqual(compiled_float_scatter_adds(compiled.as_text()), [])
 
+    @parameterized.parameters(*sorted(GPU_LAYERS))
+    @pytest.mark.gpu
+    def test_gpu_real_size_repeatable_and_matches_reference(self, name):
+        """At real layer sizes on the GPU: the same bits on a second run, the reference's
+        values, no float scatter-add in the compiled program."""
+        if self.implementation == "reference":
+            self.skipTest("the reference is the oracle of this test")
+        cfg, num_tokens = GPU_LAYERS[name]
+        cfg = self.cfg(cfg)
+        x, params, cotangent = random_inputs(cfg, num_tokens, seed=11)
+        first = value_and_grads(x, params, cotangent, cfg=cfg)
+        chex.assert_trees_all_equal(first, value_and_grads(x, params, cotangent, cfg=cfg))
+        reference = value_and_grads(x, params, cotangent, cfg=with_impl(cfg, "reference"))
+        assert_close_results(first, reference, cfg.dtype)
+        compiled = value_and_grads.lower(x, params, cotangent, cfg=cfg).compile()
+        self.assertEqual(compiled_float_scatter_adds(compiled.as_text()), [])
+
+
+def _call(method):
+    """A new function that calls `method` (the subclass's copy of an inherited test)."""
+
+    def call(self, *args, **kwargs):
+        return method(self, *args, **kwargs)
+
+    return call
+
+
+class ReferenceLayerTest(_LayerTest):
+    """implementation="reference": the oracle held to the layer's contract (shapes, dtypes,
+    counts, edge cases, repeatability); its values are the others' reference."""
+
+    implementation = "reference"
+    scatter_free = False
+    fast = ("test_token_counts0", "test_no_tokens", "test_top_k_edges0")
+
 
 class XlaLayerTest(_LayerTest):
     implementation = "xla"
+    fast = (
+        "test_token_counts0",
+        "test_no_tokens",
+        "test_no_scatter_add_when_lowered",
+        "test_output_has_input_dtype",
+        "test_traced_once_per_shape",
+    )
 
 
-del _LayerTest  # the base class holds no implementation of its own
-
-
-class PallasLayerTest(chex.TestCase):
+class PallasLayerTest(_LayerTest):
     """implementation="pallas": the Mosaic GPU grouped GEMMs over the layer's tiles (in GPU
-    interpret mode on a CPU backend) against the reference, values and gradients. Few cases:
-    interpret mode is slow; the GPU twin below runs a real size."""
+    interpret mode on a CPU backend), in bfloat16 or float16."""
 
-    @parameterized.parameters("qwen3_30b_a3b", "deepseek_v3", "mixtral_8x7b")
-    def test_matches_reference(self, preset):
-        cfg = with_impl(SCALED_PRESETS[preset], "pallas")
-        self.assertEqual(cfg.dtype, jnp.bfloat16)
-        x, params, cotangent = random_inputs(cfg, 40, seed=len(preset))
-        (_, (y, aux)), grads = value_and_grads(x, params, cotangent, cfg=cfg)
-        reference = with_impl(cfg, "reference")
-        (_, (y_ref, aux_ref)), grads_ref = value_and_grads(x, params, cotangent, cfg=reference)
-        assert_close(y, y_ref, cfg.dtype)
-        assert_aux_equal(aux, aux_ref)
-        assert_close(grads, grads_ref, cfg.dtype)
+    implementation = "pallas"
+    compute_dtypes = ("bfloat16", "float16")
+    lowering_platforms = None
+    fast = ("test_token_counts0", "test_no_tokens", "test_config_rejects")
 
     def test_config_rejects_what_the_kernels_cannot_take(self):
         with self.assertRaisesRegex(ValueError, "bfloat16 or float16, not dtype=float32"):
@@ -252,12 +338,15 @@ class PallasLayerTest(chex.TestCase):
             with_impl(TINY, "pallas", d_ff=96)
 
 
-class FusedLayerTest(chex.TestCase):
+class FusedLayerTest(_LayerTest):
     """implementation="fused" (one device): the rows read straight from the tokens by the
     gate/up kernel, the routing weights applied in the down kernel's epilogue (GPU interpret
-    mode on a CPU backend), against the reference, values and gradients, and its y against
-    `pallas`'s, bit for bit. Few cases: interpret mode is slow; the GPU twin below runs a real
-    size."""
+    mode on a CPU backend); its y is `pallas`'s, bit for bit."""
+
+    implementation = "fused"
+    compute_dtypes = ("bfloat16", "float16")
+    lowering_platforms = None
+    fast = ("test_token_counts0", "test_no_tokens", "test_config_and_mesh_reject")
 
     def test_matches_reference_and_gives_the_pallas_bits(self):
         cfg = with_impl(SCALED_PRESETS["qwen3_30b_a3b"], "fused")
@@ -367,6 +456,18 @@ class FusedLayerTest(chex.TestCase):
         with self.assertRaisesRegex(ValueError, "rows='both' must be 'auto' or one of"):
             with_impl(TINY, "fused", rows="both")
 
+    @pytest.mark.gpu
+    def test_gpu_real_size_gives_the_pallas_y_bits(self):
+        cfg, num_tokens = GPU_LAYERS["qwen3_30b_a3b"]
+        cfg = with_impl(cfg, "fused")
+        x, params, cotangent = random_inputs(cfg, num_tokens, seed=11)
+        (_, (y, _)), _ = value_and_grads(x, params, cotangent, cfg=cfg)
+        (_, (y_pallas, _)), _ = value_and_grads(x, params, cotangent, cfg=with_impl(cfg, "pallas"))
+        chex.assert_trees_all_equal(y, y_pallas)
+
+
+del _LayerTest  # the base class holds no implementation of its own
+
 
 def test_token_chunk_sets_the_token_wise_stages_steps():
     # 40 tokens in chunks of 16: route and combine map 3 chunks of [16, ...]; by default
@@ -441,33 +542,6 @@ class TestBadInput:
             moe(jnp.ones((4, 64)), self.params, {"d_model": 64})
 
 
-# Real layer sizes on the GPU (skipped without one): the deterministic formulation must hold
-# where XLA's GPU scatters and reductions would otherwise differ from run to run.
-GPU_LAYERS = {
-    "qwen3_30b_a3b": (presets["qwen3_30b_a3b"], 4096),
-    "mixtral_8x7b": (presets["mixtral_8x7b"], 2048),
-    "deepseek_v3_e32": (dataclasses.replace(presets["deepseek_v3"], num_experts=32), 2048),
-}
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", sorted(GPU_LAYERS))
-def test_gpu_real_size_repeatable_and_matches_reference(name):
-    cfg, num_tokens = GPU_LAYERS[name]
-    x, params, cotangent = random_inputs(cfg, num_tokens, seed=11)
-    first = value_and_grads(x, params, cotangent, cfg=cfg)
-    again = value_and_grads(x, params, cotangent, cfg=cfg)
-    chex.assert_trees_all_equal(first, again)
-    reference = value_and_grads(x, params, cotangent, cfg=with_impl(cfg, "reference"))
-    (_, (y, aux)), grads = first
-    (_, (y_ref, aux_ref)), grads_ref = reference
-    assert_close(y, y_ref, cfg.dtype)
-    assert_aux_equal(aux, aux_ref)
-    assert_close(grads, grads_ref, cfg.dtype)
-    compiled = value_and_grads.lower(x, params, cotangent, cfg=cfg).compile()
-    assert compiled_float_scatter_adds(compiled.as_text()) == []
-
-
 _DIGEST_SCRIPT = """
 import hashlib, sys
 import jax, numpy as np
@@ -501,24 +575,6 @@ def test_gpu_same_bits_in_another_process(name):
         for _ in range(2)
     ]
     assert digests[0] == digests[1]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("implementation", ["pallas", "fused"])
-def test_gpu_kernels_real_size_match_reference(implementation):
-    """The kernel implementations at qwen3 size: repeatable, close to the reference, and
-    `fused`'s y bitwise `pallas`'s."""
-    cfg, num_tokens = GPU_LAYERS["qwen3_30b_a3b"]
-    cfg = with_impl(cfg, implementation)
-    x, params, cotangent = random_inputs(cfg, num_tokens, seed=11)
-    first = value_and_grads(x, params, cotangent, cfg=cfg)
-    chex.assert_trees_all_equal(first, value_and_grads(x, params, cotangent, cfg=cfg))
-    reference = value_and_grads(x, params, cotangent, cfg=with_impl(cfg, "reference"))
-    assert_close_results(first, reference, cfg.dtype)
-    if implementation == "fused":
-        (_, (y, _)), _ = first
-        (_, (y_pallas, _)), _ = value_and_grads(x, params, cotangent, cfg=with_impl(cfg, "pallas"))
-        chex.assert_trees_all_equal(y, y_pallas)
 
 
 @pytest.mark.gpu
