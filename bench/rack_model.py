@@ -138,7 +138,7 @@ ASSUMPTIONS = {
         "the routed GEMMs run on the rest, and the row-side memory passes (XLA kernels) do not "
         "overlap the transfer. On one H200 (a 1-device mesh, 16384 tokens of qwen3) the "
         "forward's two overlapped kernels took 2.82 ms against the bare GEMMs' 1.97: this "
-        "rule gives 2.41 (bench/results/2026-12-01_exchange_h200_s16/)"
+        "rule gives 2.41 (bench/results/2026-12-01_exchange_fwd_bwd_h200/)"
     ),
     "efficiency_transfer": (
         "the GB300 reaches the same fractions of its published peaks (GEMM, HBM) as the fused "
@@ -169,14 +169,14 @@ ASSUMPTIONS = {
         "rows have arrived: one tile's dispatch before the first GEMM and one tile's return "
         "after the last are not hidden. Every transfer is modelled overlapped; the kernels "
         "overlap the forward's dispatch and return, the backward's dispatch of x and dy (one "
-        "kernel) and its dx return with the routing weights' gradient (one kernel, session 15)"
+        "kernel) and its dx return with the routing weights' gradient (one kernel)"
     ),
     "backward_transfer": (
         "the backward sends the x rows out again, then dy, and gets dx back (3 transfers a "
         "round): mok_jax/routed.py's backward recomputes each round's forward under jax.vjp, "
         "and the fused implementation keeps the tokens, not the received rows (it sends x with "
-        "dy rounded, in one kernel, and forms dy times the routing weight at the receiver; "
-        "until session 20 it sent that product too, a third row array); the re-run forward's "
+        "dy rounded, in one kernel, and forms dy times the routing weight at the receiver, "
+        "rather than sending that product as a third row array); the re-run forward's "
         "outputs are read by nothing, dead code that XLA drops, and are not modelled"
     ),
     "same_compute": (
@@ -1198,7 +1198,7 @@ def _md_calibration(report: dict, command: str) -> list[str]:
     h = report["h200"]
     cal = report["calibration"]
     out = [
-        "# Rack performance model of the MoE layer (issue 7)",
+        "# Rack performance model of the MoE layer",
         "",
         f"Command: `{command}` (CPU, no device). Inputs: `{report['inputs']['layer']}` (every "
         f"timed `fused` layer on one H200) and `{report['inputs']['multi_gpu']}` (two H200s). "
@@ -1248,8 +1248,8 @@ def _md_check(report: dict) -> list[str]:
     out += _table(header, rows)
     out += [
         "",
-        "`fused`, its exchange in our own kernels (issue 8's run 3): the measured forward+backward "
-        "(bench/multi_gpu.py's step) against the model's, at the dense all_to_all's link "
+        "`fused`, its exchange in our own kernels (two H200s, run 3): the measured forward+backward"
+        " (bench/multi_gpu.py's step) against the model's, at the dense all_to_all's link "
         "fraction, and the link fraction at which the model would take the measured time (the "
         "rate the exchange's copies would have reached if the model's other terms held).",
         "",

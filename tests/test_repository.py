@@ -1,11 +1,12 @@
-"""The repository's shape: one-way layering (the kernels' tests included), and the set-up
-script's search for Python."""
+"""The repository's shape: one-way layering (the kernels' tests included), the set-up
+script's search for Python, and no development-process text in the tracked files."""
 
 from __future__ import annotations
 
 import ast
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -156,3 +157,130 @@ def test_ruff_is_clean(command):
         check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# The tracked files say what the code does and what was measured, not how the work was organised:
+# no work-session or issue numbers, no numbered calls of a remote runner nor its arguments, no
+# result paths named by session or call. Matched case-insensitively, line by line; "issue" and
+# "call" as ordinary words ("a custom call", "the producer issues 128 rows") do not match.
+PROCESS_TEXT = {
+    "session number": r"\bsessions? \d",
+    "issue number": r"\bissue #?\d|\bissues #\d|\bissues \d+(?:,? (?:and|or) #?\d+)+",
+    "runner call number": r"\bcall \d|\bcalls \d+(?:,? (?:and|or|to) \d+|-\d+)",
+    "runner argument": r"\bcarry=|\btimeout_s=",
+    "result path named by session or call": (
+        r"\d{4}-\d\d-\d\d_[\w.-]*_s\d+\b|results/[\w./-]*_s\d+\b|(?<![\w-])_s\d+/"
+        r"|_call\d|session\d|\bcall\d+[a-z]?(?=[_/.{])"
+    ),
+}
+_PROCESS_TEXT = re.compile(
+    "|".join(f"(?P<p{i}>{p})" for i, p in enumerate(PROCESS_TEXT.values())), re.I
+)
+# Raw result files keep what the runs wrote; their READMEs and markdown summaries are scanned.
+RAW_RESULT_SUFFIXES = (".log", ".json", ".jsonl", ".txt", ".csv", ".out", ".png", ".svg", ".jpg")
+
+
+def process_text(text: str) -> list[tuple[int, str, str]]:
+    """(line number, kind, line) for each line of `text` that reads as development process."""
+    kinds = list(PROCESS_TEXT)
+    hits = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        match = _PROCESS_TEXT.search(line)
+        if match:
+            kind = kinds[int(match.lastgroup[1:])]
+            hits.append((number, kind, line.strip()))
+    return hits
+
+
+def is_scanned(path: str) -> bool:
+    """Every tracked text file but the raw result files under bench/results/."""
+    return not (path.startswith("bench/results/") and path.endswith(RAW_RESULT_SUFFIXES))
+
+
+def process_text_in_file(path: pathlib.Path) -> list[tuple[int, str, str]]:
+    """process_text of a text file; [] for a binary one (a NUL byte, or not UTF-8)."""
+    raw = path.read_bytes()
+    if b"\0" in raw:
+        return []
+    try:
+        return process_text(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        return []
+
+
+def test_no_development_process_text_in_the_tracked_files():
+    listed = subprocess.run(
+        ["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=False
+    )
+    if listed.returncode != 0:
+        pytest.skip(f"not a git work tree: {listed.stderr.strip()}")
+    found = [
+        f"{name}:{number}: [{kind}] {line[:160]}"
+        for name in listed.stdout.split("\0")
+        if name and is_scanned(name) and (ROOT / name).is_file()
+        for number, kind, line in process_text_in_file(ROOT / name)
+    ]
+    assert not found, (
+        "Say what the code does or what was measured (date, device, commit, command, run N), "
+        "not how the work was organised:\n" + "\n".join(found)
+    )
+
+
+# Built with format() so that this file holds none of them verbatim.
+PLANTED = [
+    "measured in session {}",
+    "Sessions {} and 14 ran it",
+    "the fused layer (issue {})",
+    "see issue #{} for the plan",
+    "issues {} and 7",
+    "device call {} of 2026-11-30",
+    "## Call {}: the lowering failure",
+    "calls {}-4 were fresh machines",
+    "run(..., " + "carry" + "=[{}])",
+    "run(..., " + "timeout_s" + "={})",
+    "bench/results/2026-12-01_exchange_h200_s{}/",
+    "2026-12-01_exchange_backward_h200_s{0}/ and _s{0}/",
+    "`2026-11-30_moe_layer_h200_" + "call{}/README.md`",
+    "p.run == 'session{}_run1'",
+    "its log, `call{}_probe.log`",
+]
+ORDINARY = [
+    "a custom call in the HLO",
+    "call the kernel once a round",
+    "the call site passes the mesh",
+    "a second call of the compiled step",
+    "the producer issues 128 one-row TMAs per K step",
+    "four warps issue the rows",
+    "XLA issue threads report the same (openxla/xla#33386)",
+    "run 3 of 2026-12-01_moe_layer_h200/",
+    "results/2026-12-01_exchange_tail_h200/run6_probe_layer.json",
+    "s = 0.18, the comm_sm_share",
+    "tile_s16 = 4; block_s2/",
+    "session_log events in the metrics",
+]
+
+
+@pytest.mark.parametrize("template", PLANTED)
+def test_process_text_is_found(template):
+    line = template.format(5)
+    assert [number for number, _, _ in process_text(f"ok\n{line}\n")] == [2], line
+
+
+@pytest.mark.parametrize("line", ORDINARY)
+def test_ordinary_words_are_not_process_text(line):
+    assert process_text(line) == []
+
+
+def test_a_planted_file_is_reported_and_raw_results_are_skipped(tmp_path):
+    path, number = tmp_path / "README.md", 12
+    path.write_text(f"# Results\n\nmeasured in session {number}, on one H200\n")
+    line = f"measured in session {number}, on one H200"
+    assert process_text_in_file(path) == [(3, "session number", line)]
+    path.write_bytes(b"\0session 12")
+    assert process_text_in_file(path) == []
+    assert is_scanned("bench/results/2026-12-01_exchange_tail_h200/README.md")
+    assert is_scanned("bench/results/moe_layer_h200.md")
+    assert is_scanned("bench/moe_layer_h200.py")
+    assert not is_scanned("bench/results/multi_gpu_h200x2/run5_multi_gpu.log")
+    assert not is_scanned("bench/results/moe_layer_h200.json")
+    assert not is_scanned("bench/results/plots/moe_layer_h200.png")
