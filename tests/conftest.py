@@ -65,6 +65,17 @@ def _interpret_wgmma_in_k_order() -> None:
 
 _interpret_wgmma_in_k_order()
 
+
+def _import_what_interpret_mode_imports_on_its_first_run() -> None:
+    """GPU interpret mode's first run imports jax's TPU interpret module, which registers a
+    config option (`pallas_fuser_disable_nested_fuse`) that enters jax's trace context: a
+    function jitted before that first run would be traced once more after it (a test that
+    counts traces would see two). Imported here, the trace context is the same throughout."""
+    import jax._src.pallas.mosaic.interpret.interpret_pallas_call  # noqa: F401
+
+
+_import_what_interpret_mode_imports_on_its_first_run()
+
 # Hypothesis profiles: "fast" for the fast tier (./test.sh), "ci" with --all, "thorough" on
 # request (HYPOTHESIS_PROFILE names one and overrides both).
 settings.register_profile("fast", max_examples=5, deadline=None, derandomize=True)
