@@ -94,6 +94,8 @@ class _LayerTest(chex.TestCase):
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
+        if "implementation" not in cls.__dict__:  # a base of several implementations
+            return
         for name in dir(cls):
             test = getattr(cls, name)
             if not name.startswith("test") or not callable(test) or name.startswith(cls.fast):
@@ -351,15 +353,21 @@ class XlaLayerTest(_LayerTest):
     )
 
 
-class PallasLayerTest(_LayerTest):
-    """implementation="pallas": the Mosaic GPU grouped GEMMs over the layer's tiles (in GPU
-    interpret mode on a CPU backend), in bfloat16 or float16."""
+class _KernelLayerTest(_LayerTest):
+    """What the kernel implementations share: bf16/f16 compute, interpret mode on this
+    backend, fewer presets and no tests of the stages they run as xla's code."""
 
-    implementation = "pallas"
     compute_dtypes = ("bfloat16", "float16")
     lowering_platforms = None
     presets = KERNEL_PRESETS
     xla_stage_tests = XLA_STAGE_TESTS
+
+
+class PallasLayerTest(_KernelLayerTest):
+    """implementation="pallas": the Mosaic GPU grouped GEMMs over the layer's tiles (in GPU
+    interpret mode on a CPU backend), in bfloat16 or float16."""
+
+    implementation = "pallas"
     fast = ("test_token_counts0", "test_no_tokens", "test_config_rejects")
 
     def test_config_rejects_what_the_kernels_cannot_take(self):
@@ -369,16 +377,12 @@ class PallasLayerTest(_LayerTest):
             with_impl(TINY, "pallas", d_ff=96)
 
 
-class FusedLayerTest(_LayerTest):
+class FusedLayerTest(_KernelLayerTest):
     """implementation="fused" (one device): the rows read straight from the tokens by the
     gate/up kernel, the routing weights applied in the down kernel's epilogue (GPU interpret
     mode on a CPU backend); its y is `pallas`'s, bit for bit."""
 
     implementation = "fused"
-    compute_dtypes = ("bfloat16", "float16")
-    lowering_platforms = None
-    presets = KERNEL_PRESETS
-    xla_stage_tests = XLA_STAGE_TESTS
     fast = ("test_token_counts0", "test_no_tokens", "test_config_and_mesh_reject")
 
     def test_matches_reference_and_gives_the_pallas_bits(self):
@@ -499,7 +503,7 @@ class FusedLayerTest(_LayerTest):
         chex.assert_trees_all_equal(y, y_pallas)
 
 
-del _LayerTest  # the base class holds no implementation of its own
+del _LayerTest, _KernelLayerTest  # the bases hold no implementation of their own
 
 
 def test_token_chunk_sets_the_token_wise_stages_steps():
