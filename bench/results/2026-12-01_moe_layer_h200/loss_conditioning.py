@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 bench/results/2026-12-01_moe_layer_h200/loss_conditioning.py
 
-The benchmark's own inputs (bench.moe_layer_h200.make_inputs, same seeds), y from
+The benchmark's own inputs (bench.moe_layer.make_inputs, same seeds), y from
 implementation "xla" on the CPU (~35 s), then the loss in f64, its natural scale, and the loss
 after moving two fifths of y's entries by |y| 2^-8 (half to one bf16 ulp; random sign).
 Output: loss_conditioning.log.
@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench import moe_layer_h200 as b
+from bench import moe_layer as b
 from mok_jax import moe
 
 shape = next(s for s in b.SHAPES if s.name == "dsv3_slice")
