@@ -21,24 +21,14 @@ The model (per device, per direction; the device that receives the most rows set
                                                     exposed fills and drains; G_row, M_row:
                                                     C_row's GEMMs and memory passes)
 
-C_tok is the token-side work (route, combine, shared expert, loop overheads), C_row the
-row-side work (routed GEMMs and their memory passes, which scale with rho and can overlap
-the transfer), rounds = ceil(rho / buffer_factor), n_c the collectives a round (2 forward, 3
-backward), a the collective's time over the rows' bytes at the link's rate, hop one ring
-hop's fixed-shape chunks out and back plus n_c latencies, s the share of the
-SMs the fused kernels' copy programs hold for the whole kernel (the measured runs'
-exchange_programs over the H200's SMs): the rows move inside the routed GEMMs' kernels only,
-so those GEMMs run on the other SMs and the row-side memory passes (XLA kernels) do not hide
-the transfer. eta_stream is a copy's measured share of the HBM bandwidth (DESIGN.md).
-eta_gemm (forward and backward), eta_hbm and c_chunk are fitted to the fused layer's
-single-H200 times (bench/results/moe_layer_h200.json); eta_link
-comes from the two-H200 bandwidth rows (bench/results/multi_gpu_h200x2.json); everything else is a
-published number (cited in SOURCES) or an assumption (ASSUMPTIONS). The fit is in-sample: the
-calibration table shows how well the model reproduces the points it was fitted to, not how well
-it predicts. The layer's dimensions, tile and token-chunk rules come from mok_jax (presets,
-MoEConfig's defaults, mok_jax.tiles); the layer's options, from the measured runs (RECORDED_*:
-they ran before the options moved into MoEOptions, whose "auto" may resolve otherwise). Writes
-rack_model.json and rack_model.md with --out and prints the markdown.
+C_tok: the token-side work (route, combine, shared expert, loop steps); C_row: the row-side
+work (routed GEMMs G_row and their memory passes M_row, scaling with rho). rounds = ceil(rho /
+buffer_factor); n_c the collectives a round (2 forward, 3 backward); a the collective's time
+over the rows' bytes at the link's rate; hop: one ring hop's fixed-shape chunks out and back
+plus n_c latencies; s: the share of the SMs the fused kernels' copy programs hold. eta_gemm,
+eta_hbm and c_chunk are fitted to the fused layer's single-H200 times (in sample), eta_link
+comes from the two-H200 bandwidth rows, the rest is published (SOURCES) or assumed
+(ASSUMPTIONS); docs/performance.md summarizes the model and its results.
 """
 
 from __future__ import annotations
@@ -46,6 +36,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import itertools
 import json
 import math
 import pathlib
@@ -58,6 +49,7 @@ import numpy as np
 from scipy import optimize
 
 import mok_jax
+from bench.harness import table, write_files
 from bench.multi_gpu import SCALING
 from mok_jax import tiles
 from mok_jax.config import MoEConfig
@@ -199,16 +191,12 @@ ASSUMPTIONS = {
 }
 
 
-def _positive(name: str, value: float) -> None:
-    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-        raise ValueError(f"{name}={value!r} must be a finite number > 0")
-
-
-def _fraction(name: str, value: float, *, allow_zero: bool = False) -> None:
-    low_ok = value >= 0 if allow_zero else value > 0
-    if not (isinstance(value, (int, float)) and math.isfinite(value) and low_ok and value <= 1):
-        bound = "[0, 1]" if allow_zero else "(0, 1]"
-        raise ValueError(f"{name}={value!r} must be in {bound}")
+def _number(name: str, value, lo: float, hi: float = math.inf, *, open_lo: bool = False):
+    """Raises ValueError unless `value` is a finite number in [lo, hi] ((lo, hi] if open_lo)."""
+    ok = isinstance(value, (int, float)) and math.isfinite(value) and lo <= value <= hi
+    if not ok or (open_lo and value == lo):
+        raise ValueError(f"{name}={value!r} must be a finite number in {'(' if open_lo else '['}"
+                         f"{lo}, {hi}]")  # fmt: skip
 
 
 def _count(name: str, value: int, minimum: int = 1) -> None:
@@ -221,52 +209,31 @@ def _count(name: str, value: int, minimum: int = 1) -> None:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Hardware:
-    """One GPU and its link to the others of its NVLink domain.
-
-    Attributes:
-      name: a label.
-      peak_tflops_bf16: dense BF16 tensor-core peak, TFLOP/s.
-      peak_tflops_fp8: dense FP8 peak, TFLOP/s; None where the GPU has none.
-      gemm_efficiency: the forward grouped GEMMs' share of the peak.
-      gemm_efficiency_bwd: the backward's (dgrad and wgrad) share of the peak.
-      hbm_tbps: HBM bandwidth, TB/s.
-      hbm_efficiency: the memory-bound passes' (gathers, permutations, elementwise) share of it.
-      stream_efficiency: the share a GEMM reaches streaming its weights (a plain copy's).
-      link_gbps: bandwidth out of (and into) one GPU, per direction, GB/s.
-      link_efficiency: the share of it an exchange reaches.
-      collective_latency_us: fixed cost of one collective or ring hop, microseconds.
-      chunk_overhead_us: cost of one token chunk of the token-wise loops per direction
-        (launches), microseconds.
-    """
+    """One GPU and its link to the others of its NVLink domain: published peaks (TFLOP/s, TB/s,
+    GB/s per direction) and the shares of them reached (efficiencies in (0, 1])."""
 
     name: str
-    peak_tflops_bf16: float
-    peak_tflops_fp8: float | None
-    gemm_efficiency: float = 1.0
-    gemm_efficiency_bwd: float = 1.0
+    peak_tflops_bf16: float  # dense
+    peak_tflops_fp8: float | None  # dense; None where the GPU has none
+    gemm_efficiency: float = 1.0  # the forward grouped GEMMs'
+    gemm_efficiency_bwd: float = 1.0  # the backward's (dgrad and wgrad)
     hbm_tbps: float
-    hbm_efficiency: float = 1.0
-    stream_efficiency: float = 1.0
-    link_gbps: float
-    link_efficiency: float = 1.0
-    collective_latency_us: float = 0.0
-    chunk_overhead_us: float = 0.0
+    hbm_efficiency: float = 1.0  # the memory-bound passes' (gathers, permutations, elementwise)
+    stream_efficiency: float = 1.0  # a GEMM streaming its weights (a plain copy's)
+    link_gbps: float  # out of (and into) one GPU, per direction
+    link_efficiency: float = 1.0  # an exchange's
+    collective_latency_us: float = 0.0  # fixed cost of one collective or ring hop
+    chunk_overhead_us: float = 0.0  # one token chunk of the token-wise loops per direction
 
     def __post_init__(self):
-        _positive("peak_tflops_bf16", self.peak_tflops_bf16)
-        if self.peak_tflops_fp8 is not None:
-            _positive("peak_tflops_fp8", self.peak_tflops_fp8)
-        _fraction("gemm_efficiency", self.gemm_efficiency)
-        _fraction("gemm_efficiency_bwd", self.gemm_efficiency_bwd)
-        _positive("hbm_tbps", self.hbm_tbps)
-        _fraction("hbm_efficiency", self.hbm_efficiency)
-        _fraction("stream_efficiency", self.stream_efficiency)
-        _positive("link_gbps", self.link_gbps)
-        _fraction("link_efficiency", self.link_efficiency)
+        for name in ("peak_tflops_bf16", "peak_tflops_fp8", "hbm_tbps", "link_gbps"):
+            if getattr(self, name) is not None:
+                _number(name, getattr(self, name), 0, open_lo=True)
+        for name in ("gemm_efficiency", "gemm_efficiency_bwd", "hbm_efficiency",
+                     "stream_efficiency", "link_efficiency"):  # fmt: skip
+            _number(name, getattr(self, name), 0, 1, open_lo=True)
         for name in ("collective_latency_us", "chunk_overhead_us"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-                raise ValueError(f"{name}={value!r} must be a finite number >= 0")
+            _number(name, getattr(self, name), 0)
 
     def gemm_flops_per_s(self, dtype: Dtype, direction: Direction) -> float:
         """Achieved grouped-GEMM rate, FLOP/s."""
@@ -276,35 +243,16 @@ class Hardware:
         eff = self.gemm_efficiency if direction == "forward" else self.gemm_efficiency_bwd
         return peak * 1e12 * eff
 
-    @property
-    def hbm_bytes_per_s(self) -> float:
-        return self.hbm_tbps * 1e12 * self.hbm_efficiency
-
-    @property
-    def stream_bytes_per_s(self) -> float:
-        return self.hbm_tbps * 1e12 * self.stream_efficiency
-
-    @property
-    def link_bytes_per_s(self) -> float:
-        return self.link_gbps * 1e9 * self.link_efficiency
-
-    @property
-    def latency_s(self) -> float:
-        return self.collective_latency_us * 1e-6
+    hbm_bytes_per_s = property(lambda self: self.hbm_tbps * 1e12 * self.hbm_efficiency)
+    stream_bytes_per_s = property(lambda self: self.hbm_tbps * 1e12 * self.stream_efficiency)
+    link_bytes_per_s = property(lambda self: self.link_gbps * 1e9 * self.link_efficiency)
+    latency_s = property(lambda self: self.collective_latency_us * 1e-6)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LayerShape:
-    """The MoE layer per device (the vocabulary of mok_jax/config.py).
-
-    Attributes:
-      name: a label.
-      tokens: T, tokens per device.
-      d_model: D. d_ff: F, each expert's SwiGLU width.
-      num_experts: E. top_k: K. num_shared_experts: S (one SwiGLU of width S*F).
-      row_tile: rows per GEMM tile; expert groups are padded to whole tiles.
-    Build it from the library's config with `from_config`.
-    """
+    """The MoE layer per device (mok_jax/config.py's vocabulary: T tokens a device, D, F, E, K,
+    S shared experts of width F each); expert groups are padded to whole `row_tile`s."""
 
     name: str
     tokens: int
@@ -325,16 +273,8 @@ class LayerShape:
     @classmethod
     def from_config(cls, name: str, cfg: MoEConfig, tokens: int) -> LayerShape:
         """The dimensions of `cfg` (e.g. `mok_jax.presets[...]`) at `tokens` tokens a device."""
-        return cls(
-            name=name,
-            tokens=tokens,
-            d_model=cfg.d_model,
-            d_ff=cfg.d_ff,
-            num_experts=cfg.num_experts,
-            top_k=cfg.top_k,
-            num_shared_experts=cfg.num_shared_experts,
-            row_tile=cfg.row_tile,
-        )
+        fields = ("d_model", "d_ff", "num_experts", "top_k", "num_shared_experts", "row_tile")
+        return cls(name=name, tokens=tokens, **{f: getattr(cfg, f) for f in fields})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -348,24 +288,13 @@ class Layout:
         _count("data", self.data)
         _count("expert", self.expert)
 
-    @property
-    def devices(self) -> int:
-        return self.data * self.expert
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Workload:
-    """One layer call: shape, layout, dtype, routing imbalance and the layer's options.
-
-    Attributes:
-      imbalance: rho, the busiest device's received rows over the mean (max/mean load over
-        the EP devices); 1 at EP 1.
-      token_chunk: tokens per step of the token-wise loops (MoEOptions.token_chunk); None:
-        8 * row_tile (mok_jax.tiles.token_chunk), the default of the measured runs
-        (MoEOptions' "auto" is 2048 on a GPU).
-      fused_residuals: "inputs" (the backward recomputes gate and up: 2 more GEMM passes)
-        or "gate_up" (kept) (MoEOptions.residuals); by default the measured runs' "inputs".
-    """
+    """One layer call. imbalance: rho, the busiest device's received rows over the mean (1 at
+    EP 1). token_chunk: MoEOptions.token_chunk (None: 8 * row_tile, the measured runs' default;
+    "auto" is 2048 on a GPU). fused_residuals: MoEOptions.residuals ("inputs": the backward
+    recomputes gate and up, 2 more GEMM passes; the measured runs' default)."""
 
     shape: LayerShape
     layout: Layout = dataclasses.field(default_factory=Layout)
@@ -386,17 +315,10 @@ class Workload:
             raise ValueError(f"fused_residuals={self.fused_residuals!r} must be in {RESIDUALS}")
         if self.token_chunk is not None:
             _count("token_chunk", self.token_chunk)
-        rho = self.imbalance
-        if not (isinstance(rho, (int, float)) and math.isfinite(rho) and 1 <= rho <= ep):
-            raise ValueError(f"imbalance={rho!r} must be in [1, EP={ep}] (max/mean load)")
+        _number("imbalance", self.imbalance, 1, ep)
 
-    @property
-    def ep(self) -> int:
-        return self.layout.expert
-
-    @property
-    def local_experts(self) -> int:
-        return self.shape.num_experts // self.ep
+    ep = property(lambda self: self.layout.expert)
+    local_experts = property(lambda self: self.shape.num_experts // self.ep)
 
     @property
     def chunk(self) -> int:
@@ -417,30 +339,22 @@ class Workload:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ExchangeConfig:
-    """How the exchanges run.
-
-    Attributes:
-      buffer_factor: receive buffer (and ring chunk) as a multiple of the balanced load
-        (MoEConfig.buffer_factor, its default): rho beyond it costs rounds.
-      comm_sm_share: share of the SMs the fused kernels' copy programs hold for the whole
-        kernel, in [0, 1) (MoEOptions.exchange_programs over the SMs: by default the measured
-        runs' 24 of the H200's 132).
-      a2a_bytes_factor: ragged_all_to_all's time over the time of the rows' bytes at the
-        link's rate, as extra bytes (1: an ideal ragged collective; on two H200s XLA's
-        ragged_all_to_all took 2.15x the dense all_to_all's time for the same bytes).
-    """
+    """How the exchanges run. buffer_factor: the receive buffer (and ring chunk) over the
+    balanced load (MoEConfig's): rho beyond it costs rounds. comm_sm_share: the SMs the fused
+    kernels' copy programs hold, in [0, 1). a2a_bytes_factor: ragged_all_to_all's time over
+    the rows' bytes at the link's rate (1: ideal; XLA's took 2.15x the dense all_to_all's on
+    two H200s)."""
 
     buffer_factor: float = DEFAULT_BUFFER_FACTOR
     comm_sm_share: float = DEFAULT_COMM_SM_SHARE
     a2a_bytes_factor: float = 1.0
 
     def __post_init__(self):
-        _positive("buffer_factor", self.buffer_factor)
-        _fraction("comm_sm_share", self.comm_sm_share, allow_zero=True)
+        _number("buffer_factor", self.buffer_factor, 0, open_lo=True)
+        _number("comm_sm_share", self.comm_sm_share, 0, 1)
         if self.comm_sm_share == 1:
             raise ValueError("comm_sm_share=1 leaves no SM to the GEMMs: it must be < 1")
-        if not (math.isfinite(self.a2a_bytes_factor) and self.a2a_bytes_factor >= 1):
-            raise ValueError(f"a2a_bytes_factor={self.a2a_bytes_factor!r} must be >= 1")
+        _number("a2a_bytes_factor", self.a2a_bytes_factor, 1)
 
 
 # --- outputs ------------------------------------------------------------------------------
@@ -499,11 +413,6 @@ def swiglu_passes(residuals: Residuals, direction: Direction) -> int:
     return 6 + (2 if residuals == "inputs" else 0)
 
 
-def routed_passes(w: Workload, direction: Direction) -> int:
-    """The routed experts' GEMM passes (the fused implementation: fused_residuals)."""
-    return swiglu_passes(w.fused_residuals, direction)
-
-
 def token_gemm_flops(w: Workload, direction: Direction) -> float:
     """Router and shared-expert GEMM FLOPs (token-side, not scaled by rho), on the token-wise
     loops' padded tokens. The router: 1 pass forward, dgrad and wgrad backward; the shared
@@ -520,7 +429,7 @@ def routed_gemm_flops(w: Workload, direction: Direction, chunks_per_expert: int 
     s = w.shape
     rows = w.imbalance * s.tokens * s.top_k
     rows = padded_rows(rows, w.local_experts * chunks_per_expert, s.row_tile)
-    return 2.0 * rows * s.d_model * s.d_ff * routed_passes(w, direction)
+    return 2.0 * rows * s.d_model * s.d_ff * swiglu_passes(w.fused_residuals, direction)
 
 
 def weight_bytes(w: Workload, direction: Direction) -> float:
@@ -602,12 +511,6 @@ def collectives(direction: Direction) -> int:
 # --- time ---------------------------------------------------------------------------------
 
 
-def gemm_time(hw: Hardware, flops: float, w: Workload, direction: Direction, weights: float):
-    """Roofline of a GEMM set: its FLOPs at the achieved rate or its weights streamed at a
-    copy's bandwidth, whichever is longer, seconds."""
-    return max(flops / hw.gemm_flops_per_s(w.dtype, direction), weights / hw.stream_bytes_per_s)
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class _Compute:
     """Token-side and row-side (routed, rho-scaled, overlappable) compute, seconds."""
@@ -625,26 +528,22 @@ class _Compute:
 
 def compute(hw: Hardware, w: Workload, direction: Direction, chunks: int = 1) -> _Compute:
     """The compute of one direction; `chunks` grouped GEMMs (one per ring hop) each stream
-    every local expert's weights."""
-    flops = routed_gemm_flops(w, direction, chunks)
-    weights = chunks * weight_bytes(w, direction)
+    every local expert's weights. The routed GEMMs' roofline: their FLOPs at the achieved rate
+    or their weights streamed at a copy's bandwidth, whichever is longer."""
+    rate, hbm = hw.gemm_flops_per_s(w.dtype, direction), hw.hbm_bytes_per_s
+    streamed = chunks * weight_bytes(w, direction) / hw.stream_bytes_per_s
     return _Compute(
-        token_gemm=token_gemm_flops(w, direction) / hw.gemm_flops_per_s(w.dtype, direction),
-        token_memory=token_memory_bytes(w, direction) / hw.hbm_bytes_per_s,
+        token_gemm=token_gemm_flops(w, direction) / rate,
+        token_memory=token_memory_bytes(w, direction) / hbm,
         overhead=token_chunks(w) * hw.chunk_overhead_us * 1e-6,
-        row_gemm=gemm_time(hw, flops, w, direction, weights),
-        row_memory=row_memory_bytes(w, direction) / hw.hbm_bytes_per_s,
+        row_gemm=max(routed_gemm_flops(w, direction, chunks) / rate, streamed),
+        row_memory=row_memory_bytes(w, direction) / hbm,
     )
 
 
 def _components(c: _Compute, transfer: float, exposed: float) -> Components:
-    return Components(
-        gemm=c.token_gemm + c.row_gemm,
-        memory=c.token_memory + c.row_memory,
-        overhead=c.overhead,
-        transfer=transfer,
-        exposed_transfer=exposed,
-    )
+    return Components(gemm=c.token_gemm + c.row_gemm, memory=c.token_memory + c.row_memory,
+                      overhead=c.overhead, transfer=transfer, exposed_transfer=exposed)  # fmt: skip
 
 
 def rounds(w: Workload, cfg: ExchangeConfig) -> int:
@@ -722,11 +621,8 @@ def predict(hw: Hardware, w: Workload, exchange: Exchange, cfg: ExchangeConfig) 
     if exchange not in EXCHANGE_FNS:
         raise ValueError(f"exchange={exchange!r} must be one of {EXCHANGES}")
     fn = EXCHANGE_FNS[exchange]
-    return Prediction(
-        exchange=exchange,
-        forward=fn(hw, w, cfg, "forward"),
-        backward=fn(hw, w, cfg, "backward"),
-    )
+    return Prediction(exchange=exchange, forward=fn(hw, w, cfg, "forward"),
+                      backward=fn(hw, w, cfg, "backward"))  # fmt: skip
 
 
 # --- calibration on one H200 ----------------------------------------------------------------
@@ -836,13 +732,8 @@ def calibrate(points: Sequence[Measured], published: dict = H200_PUBLISHED) -> H
     x, _ = optimize.nnls(a, np.ones(len(points)))
     if np.any(x[:3] <= 0):
         raise ValueError(f"calibration failed: a zero coefficient in {x} (too few points?)")
-    return dataclasses.replace(
-        base,
-        gemm_efficiency=1 / x[0],
-        gemm_efficiency_bwd=1 / x[1],
-        hbm_efficiency=1 / x[2],
-        chunk_overhead_us=float(x[3]),
-    )
+    return dataclasses.replace(base, gemm_efficiency=1 / x[0], gemm_efficiency_bwd=1 / x[1],
+                               hbm_efficiency=1 / x[2], chunk_overhead_us=float(x[3]))  # fmt: skip
 
 
 def model_ms(hw: Hardware, point: Measured) -> float:
@@ -852,13 +743,8 @@ def model_ms(hw: Hardware, point: Measured) -> float:
 
 
 def calibration_rows(hw: Hardware, points: Sequence[Measured]) -> list[dict]:
-    rows = []
-    for p in points:
-        ms = model_ms(hw, p)
-        rows.append(
-            dict(run=p.run, point=p.label, measured_ms=p.ms, model_ms=ms, error=ms / p.ms - 1)
-        )
-    return rows
+    return [dict(run=p.run, point=p.label, measured_ms=p.ms, model_ms=model_ms(hw, p),
+                 error=model_ms(hw, p) / p.ms - 1) for p in points]  # fmt: skip
 
 
 # --- the check on two H200s -----------------------------------------------------------------
@@ -898,20 +784,23 @@ def ep2_check(hw: Hardware, path: pathlib.Path = MULTI_GPU_RESULTS) -> list[dict
         fraction, cfg = configs[row["exchange"]]
         slow = _as_slow_as(hw, dataclasses.replace(w, layout=Layout()), ep1_ms[row["case"]])
         p = predict(dataclasses.replace(slow, link_efficiency=fraction), w, row["exchange"], cfg)
-        measured = row["fwd_bwd_ms"] - row["no_exchange_fwd_bwd_ms"]
-        out.append(
-            dict(
-                case=row["case"],
-                tokens_per_device=row["tokens_per_device"],
-                exchange=row["exchange"],
-                link_fraction=fraction,
-                measured_fwd_bwd_ms=row["fwd_bwd_ms"],
-                measured_exchange_ms=measured,
-                model_transfer_ms=1e3 * (p.forward.transfer + p.backward.transfer),
-                model_exposed_ms=1e3 * (p.forward.exposed_transfer + p.backward.exposed_transfer),
-            )
-        )
+        out.append(dict(
+            **_row_keys(row, "case", "tokens_per_device", "exchange"), link_fraction=fraction,
+            measured_fwd_bwd_ms=row["fwd_bwd_ms"],
+            measured_exchange_ms=row["fwd_bwd_ms"] - row["no_exchange_fwd_bwd_ms"],
+            **_transfer_ms(p),
+        ))  # fmt: skip
     return out
+
+
+def _row_keys(row: dict, *keys: str) -> dict:
+    return {k: row[k] for k in keys}
+
+
+def _transfer_ms(p: Prediction) -> dict[str, float]:
+    f, b = p.forward, p.backward
+    return dict(model_transfer_ms=1e3 * (f.transfer + b.transfer),
+                model_exposed_ms=1e3 * (f.exposed_transfer + b.exposed_transfer))  # fmt: skip
 
 
 def fused_check(hw: Hardware, path: pathlib.Path = MULTI_GPU_RESULTS) -> list[dict]:
@@ -947,20 +836,11 @@ def fused_check(hw: Hardware, path: pathlib.Path = MULTI_GPU_RESULTS) -> list[di
                 mid = 0.5 * (lo + hi)
                 lo, hi = (mid, hi) if model_ms(mid) > measured else (lo, mid)
             implied = 0.5 * (lo + hi)
-        out.append(
-            dict(
-                case=row["case"],
-                tokens_per_device=row["tokens_per_device"],
-                ep=row["ep"],
-                exchange=row["exchange"],
-                link_fraction=fraction,
-                measured_fwd_bwd_ms=measured,
-                model_fwd_bwd_ms=1e3 * p.total,
-                model_transfer_ms=1e3 * (p.forward.transfer + p.backward.transfer),
-                model_exposed_ms=1e3 * (p.forward.exposed_transfer + p.backward.exposed_transfer),
-                implied_link_fraction=implied,
-            )
-        )
+        out.append(dict(
+            **_row_keys(row, "case", "tokens_per_device", "ep", "exchange"),
+            link_fraction=fraction, measured_fwd_bwd_ms=measured, model_fwd_bwd_ms=1e3 * p.total,
+            **_transfer_ms(p), implied_link_fraction=implied,
+        ))  # fmt: skip
     return out
 
 
@@ -982,11 +862,8 @@ def _as_slow_as(hw: Hardware, w: Workload, fwd_bwd_ms: float) -> Hardware:
     scale = gemm / (gemm + fwd_bwd_ms * 1e-3 - p.total)
     if not 0 < scale <= 1:
         raise ValueError(f"measured {fwd_bwd_ms} ms is faster than the model's {1e3 * p.total}")
-    return dataclasses.replace(
-        hw,
-        gemm_efficiency=hw.gemm_efficiency * scale,
-        gemm_efficiency_bwd=hw.gemm_efficiency_bwd * scale,
-    )
+    return dataclasses.replace(hw, gemm_efficiency=hw.gemm_efficiency * scale,
+                               gemm_efficiency_bwd=hw.gemm_efficiency_bwd * scale)  # fmt: skip
 
 
 # --- the rack -------------------------------------------------------------------------------
@@ -1005,40 +882,24 @@ IMBALANCES = (1.0, 1.25, 1.5, 2.0, 3.0)
 
 def rack_hardware(h200: Hardware, link_fraction: float) -> Hardware:
     """The GB300 at the H200's fitted efficiencies (ASSUMPTIONS["efficiency_transfer"])."""
-    return Hardware(
-        **GB300_PUBLISHED,
-        gemm_efficiency=h200.gemm_efficiency,
-        gemm_efficiency_bwd=h200.gemm_efficiency_bwd,
-        hbm_efficiency=h200.hbm_efficiency,
-        stream_efficiency=h200.stream_efficiency,
-        link_efficiency=link_fraction,
-        chunk_overhead_us=h200.chunk_overhead_us,
-    )
+    kept = ("gemm_efficiency", "gemm_efficiency_bwd", "hbm_efficiency", "stream_efficiency",
+            "chunk_overhead_us")  # fmt: skip
+    return Hardware(**GB300_PUBLISHED, **{k: getattr(h200, k) for k in kept},
+                    link_efficiency=link_fraction)  # fmt: skip
 
 
 def rack_predictions(h200: Hardware, measured_fraction: float) -> list[dict]:
     rows = []
-    for fraction_name, fraction in (
-        ("measured", measured_fraction),
-        ("assumed", ASSUMED_LINK_FRACTION),
-    ):
+    for link, fraction in (("measured", measured_fraction), ("assumed", ASSUMED_LINK_FRACTION)):
         hw = rack_hardware(h200, fraction)
-        for layout_name, layout in RACK_LAYOUTS.items():
-            for dtype in DTYPES:
-                w = Workload(shape=MOK_SHAPE, layout=layout, dtype=dtype, **RACK_OPTIONS)
-                for exchange in EXCHANGES:
-                    p = predict(hw, w, exchange, ExchangeConfig())
-                    rows.append(
-                        dict(
-                            link=fraction_name,
-                            link_fraction=fraction,
-                            layout=layout_name,
-                            dtype=dtype,
-                            exchange=exchange,
-                            forward_ms=p.forward.as_ms(),
-                            backward_ms=p.backward.as_ms(),
-                        )
-                    )
+        for (name, layout), dtype, exchange in itertools.product(
+            RACK_LAYOUTS.items(), DTYPES, EXCHANGES
+        ):
+            w = Workload(shape=MOK_SHAPE, layout=layout, dtype=dtype, **RACK_OPTIONS)
+            p = predict(hw, w, exchange, ExchangeConfig())
+            rows.append(dict(link=link, link_fraction=fraction, layout=name, dtype=dtype,
+                             exchange=exchange, forward_ms=p.forward.as_ms(),
+                             backward_ms=p.backward.as_ms()))  # fmt: skip
     return rows
 
 
@@ -1054,12 +915,9 @@ def speedups(rows: Sequence[dict]) -> list[dict]:
             col = f"{direction}_ms"
             best = min(("ragged_all_to_all", "ring"), key=lambda e: group[e][col]["total"])
             fused_ms = group["fused"][col]["total"]
-            entry[direction] = dict(
-                fused_ms=fused_ms,
-                best_other=best,
-                best_other_ms=group[best][col]["total"],
-                speedup=group[best][col]["total"] / fused_ms,
-            )
+            other_ms = group[best][col]["total"]
+            entry[direction] = dict(fused_ms=fused_ms, best_other=best, best_other_ms=other_ms,
+                                    speedup=other_ms / fused_ms)  # fmt: skip
         out.append(entry)
     return out
 
@@ -1129,49 +987,25 @@ def build_report(
         name: weight_quantize_ms(rack_hardware(h200, 1.0), layout, MOK_SHAPE)
         for name, layout in RACK_LAYOUTS.items()
     }
-    return json.loads(
-        json.dumps(
-            dict(
-                issue=7,
-                inputs=dict(
-                    layer=_shown(layer_results),
-                    multi_gpu=_shown(multi_gpu),
-                ),
-                h200=_hardware_dict(h200),
-                calibration=dict(
-                    points=calibration,
-                    max_abs_error=float(np.max(np.abs(errors))),
-                    rms_error=float(np.sqrt(np.mean(errors**2))),
-                ),
-                ep2_check=ep2_check(h200, multi_gpu),
-                fused_check=fused_check(h200, multi_gpu),
-                gb300=dict(
-                    hardware=_hardware_dict(rack_hardware(h200, ASSUMED_LINK_FRACTION)),
-                    shape=dataclasses.asdict(MOK_SHAPE),
-                    options=RACK_OPTIONS,
-                    link_fractions=dict(measured=measured_fraction, assumed=ASSUMED_LINK_FRACTION),
-                    predictions=rack,
-                    speedups=speedups(rack),
-                    imbalance=imbalance_sensitivity(h200),
-                    uniform_imbalance={
-                        name: uniform_imbalance(MOK_SHAPE, layout.expert)
-                        for name, layout in RACK_LAYOUTS.items()
-                    },
-                    expert_grad_allreduce_ms=allreduce,
-                    fp8_weight_quantize_ms=quantize,
-                ),
-                exchange_config=dataclasses.asdict(ExchangeConfig()),
-                sources=SOURCES,
-                assumptions=ASSUMPTIONS,
-            ),
-            default=float,
-        )
-    )
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
-    return lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    g = dict(
+        hardware=_hardware_dict(rack_hardware(h200, ASSUMED_LINK_FRACTION)),
+        shape=dataclasses.asdict(MOK_SHAPE), options=RACK_OPTIONS,
+        link_fractions=dict(measured=measured_fraction, assumed=ASSUMED_LINK_FRACTION),
+        predictions=rack, speedups=speedups(rack), imbalance=imbalance_sensitivity(h200),
+        uniform_imbalance={name: uniform_imbalance(MOK_SHAPE, layout.expert)
+                           for name, layout in RACK_LAYOUTS.items()},
+        expert_grad_allreduce_ms=allreduce, fp8_weight_quantize_ms=quantize,
+    )  # fmt: skip
+    report = dict(
+        issue=7, inputs=dict(layer=_shown(layer_results), multi_gpu=_shown(multi_gpu)),
+        h200=_hardware_dict(h200),
+        calibration=dict(points=calibration, max_abs_error=float(np.max(np.abs(errors))),
+                         rms_error=float(np.sqrt(np.mean(errors**2)))),
+        ep2_check=ep2_check(h200, multi_gpu), fused_check=fused_check(h200, multi_gpu), gb300=g,
+        exchange_config=dataclasses.asdict(ExchangeConfig()), sources=SOURCES,
+        assumptions=ASSUMPTIONS,
+    )  # fmt: skip
+    return json.loads(json.dumps(report, default=float))
 
 
 def _ms(x: float) -> str:
@@ -1191,7 +1025,7 @@ def markdown_speedups(report: dict) -> list[str]:
         ])  # fmt: skip
     header = ["layout", "dtype", "link fraction", "fwd ms: fused / best other", "fwd speedup",
               "bwd ms: fused / best other", "bwd speedup", "MoK claims fwd / bwd"]  # fmt: skip
-    return _table(header, rows)
+    return table(header, rows)
 
 
 def _md_calibration(report: dict, command: str) -> list[str]:
@@ -1219,12 +1053,11 @@ def _md_calibration(report: dict, command: str) -> list[str]:
     ]
     rows = [[r["run"], r["point"], _ms(r["measured_ms"]), _ms(r["model_ms"]),
              f"{100 * r['error']:+.1f}%"] for r in cal["points"]]  # fmt: skip
-    return out + _table(["run", "point", "measured ms", "model ms", "error"], rows)
+    return out + table(["run", "point", "measured ms", "model ms", "error"], rows)
 
 
 def _md_check(report: dict) -> list[str]:
-    out: list[str] = []
-    out += [
+    out = [
         "",
         "## Check on two H200s (EP 2)",
         "",
@@ -1245,7 +1078,7 @@ def _md_check(report: dict) -> list[str]:
              *(_ms(r[k]) for k in ms_keys)] for r in report["ep2_check"]]  # fmt: skip
     header = ["case", "tokens/device", "exchange", "link fraction", "measured fwd+bwd ms",
               "measured exchange ms", "model transfer ms", "model exposed ms"]  # fmt: skip
-    out += _table(header, rows)
+    out += table(header, rows)
     out += [
         "",
         "`fused`, its exchange in our own kernels (two H200s, run 3): the measured forward+backward"
@@ -1259,17 +1092,16 @@ def _md_check(report: dict) -> list[str]:
              f"{r['link_fraction']:.3f}", *(_ms(r[k]) for k in ms_keys),
              "-" if r["implied_link_fraction"] is None else f"{r['implied_link_fraction']:.3f}"]
             for r in report["fused_check"]]  # fmt: skip
-    out += _table(["case", "tokens/device", "EP", "exchange", "link fraction",
+    out += table(["case", "tokens/device", "EP", "exchange", "link fraction",
                    "measured fwd+bwd ms", "model fwd+bwd ms", "model transfer ms",
                    "model exposed ms", "implied link fraction"], rows)  # fmt: skip
     return out
 
 
 def _md_rack(report: dict) -> list[str]:
-    out: list[str] = []
     g = report["gb300"]
     shape = g["shape"]
-    out += [
+    out = [
         "",
         "## GB300 NVL72 at MoK's shape",
         "",
@@ -1298,15 +1130,14 @@ def _md_rack(report: dict) -> list[str]:
     rows = [[f"{r['link']} {r['link_fraction']:.2f}", r["layout"], r["dtype"].upper(),
              r["exchange"], *(_ms(r[f"{d}_ms"][k]) for d in ("forward", "backward") for k in keys)]
             for r in g["predictions"]]  # fmt: skip
-    out += _table(header, rows)
+    out += table(header, rows)
     return out
 
 
 def _md_extras(report: dict) -> list[str]:
     g = report["gb300"]
-    out: list[str] = []
     uniform = ", ".join(f"{k} {v:.3f}" for k, v in g["uniform_imbalance"].items())
-    out += [
+    out = [
         "",
         f"Imbalance (EP 64, BF16, link fraction {ASSUMED_LINK_FRACTION}), forward+backward ms; "
         f"uniform random routing would give rho about {uniform}:",
@@ -1315,7 +1146,7 @@ def _md_extras(report: dict) -> list[str]:
     factor = report["exchange_config"]["buffer_factor"]
     rows = [[r["imbalance"], r["rounds"], *(_ms(r["fwd_bwd_ms"][e]) for e in EXCHANGES)]
             for r in g["imbalance"]]  # fmt: skip
-    out += _table(["rho", f"rounds (buffer_factor {factor:g})", *EXCHANGES], rows)
+    out += table(["rho", f"rounds (buffer_factor {factor:g})", *EXCHANGES], rows)
     allreduce = ", ".join(f"{k} {_ms(v)} ms" for k, v in g["expert_grad_allreduce_ms"].items() if v)
     quantize = ", ".join(f"{k} {_ms(v)} ms" for k, v in g["fp8_weight_quantize_ms"].items())
     dp = RACK_LAYOUTS["9 x 8"]
@@ -1347,16 +1178,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--multi-gpu-results", type=pathlib.Path, default=MULTI_GPU_RESULTS)
     args = parser.parse_args(argv)
     report = build_report(args.layer_results.resolve(), args.multi_gpu_results.resolve())
-    command = "python -m bench.rack_model " + shlex.join(
-        sys.argv[1:] if argv is None else list(argv)
-    )
+    command = "python -m bench.rack_model " + shlex.join(sys.argv[1:] if argv is None else argv)
     report["command"] = command
     report["date"] = datetime.date.today().isoformat()
     text = markdown(report, command)
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "rack_model.json").write_text(json.dumps(report, indent=1) + "\n")
-        (args.out / "rack_model.md").write_text(text)
+        write_files(args.out, {"rack_model.json": json.dumps(report, indent=1) + "\n",
+                               "rack_model.md": text})  # fmt: skip
     print(text)
     return report
 
