@@ -5,25 +5,12 @@ JSON record a probe to --out.
     python -m bench.exchange_probe --out probe.json [--timeout 540] [--only layer]
         [--tiles 64] [--programs 24] [--fusions per_gemm,forward] [--param-dtype bfloat16]
 
-Probes:
-  dispatch  the dispatch and return kernels in a shard_map over every GPU there is against the
-            protocol's plan (bitwise), 2 rounds, timed, the tables' time alone taken out: on two
-            GPUs, the copies over NVLink
-  overlap   on one GPU, the dispatch and gate/up GEMMs of qwen3_30b_a3b's round (4096 tokens,
-            top-8, 128 experts, a window of --window-factor times the rows) as one kernel with
-            each of --programs copy programs against the separate kernels: bitwise, timed; the
-            copies alone on 16, 48 and all blocks; then the down projection and the return
-            (`down_return` against gmm then send_rows), and the backward's input gradient and
-            its return (`dgrad_return` against gmm then send_rows); each at each of
-            --copy-stages (the copiers' pipelining)
-  layer     `fused` at qwen3_30b_a3b (4096 tokens) on a 1-device mesh (the exchange's kernels,
-            one round) at each of --tiles (options.exchange_tile), --programs
-            (options.exchange_programs) and --fusions (options.exchange_fusion; "forward": the
-            round's forward in one kernel) against `fused` without a mesh, both with residuals
-            "inputs": y and dx bitwise, forward and forward+backward (y and the gradients)
-            timed, and the Mosaic GPU kernels of each in XLA's optimized HLO counted;
-            parameters in --param-dtype (float32; bfloat16 as bench/moe_layer.py has them)
-Times: bench.harness's median of samples of back-to-back calls between two syncs.
+bench/README.md describes the probes `dispatch`, `overlap` and `layer`. `dispatch` takes the
+round's tables alone out of its time; `overlap` runs qwen3_30b_a3b's round (4096 tokens, top-8,
+128 experts, a window of --window-factor times the rows) at each of --programs and
+--copy-stages, and times the copies alone on 16, 48 and all blocks; `layer` runs both sides
+with residuals "inputs" and parameters in --param-dtype, and counts the Mosaic GPU kernels in
+XLA's optimized HLO. Times: bench.harness's median of samples of back-to-back calls.
 """
 
 from __future__ import annotations

@@ -3,20 +3,10 @@
     python -m bench.gmm_sweep --out DIR [--budget-s S] [--shapes ...] [--products ...]
     python -m bench.gmm_sweep --smoke --out DIR     # CPU: one tiny shape, interpret mode
 
-For DESIGN.md's five shapes (bench/grouped_gemm.py's uniform-routing shapes and inputs) and the
-products forward (`mosaic_gpu.gmm`), fused SwiGLU (`gmm_swiglu`, gate_up shapes), dgrad
-(`gmm(..., transpose_rhs=True)`) and wgrad (`mosaic_gpu_wgrad.tgmm`, bf16 out), each (product,
-shape) pair times torch._grouped_mm (the yardstick), then our kernel with the default config and
-the candidates of `candidates()`, each with the reason it is in the list. Every run goes through
-bench/grouped_gemm.py's `run_candidate`: the same check (torch's output on every element,
-reference.py on a few groups), bitwise repeats and timing. With --paired (the default) every
-run of ours is timed in alternation with torch and its x torch is the median of the per-pair
-ratios torch_i / ours_i (the ratio of separately timed medians stays as x torch unpaired).
-
-Pass 0 runs torch and the default of every pair, pass i the i-th candidate of every pair, so a
-run cut short by --budget-s still covers every pair. Writes DIR/sweep.json (every run) and
-DIR/sweep.md (the best passing, bitwise-repeatable config per pair, then every run, then why
-each candidate), rewritten after every run. `python -m bench.grouped_gemm --configs
+bench/README.md describes the pairs, passes and tables. Every run goes through
+bench/grouped_gemm.py's `run_candidate` (its check, bitwise repeats and paired timing); a paired
+run's x torch is the median of the per-pair ratios torch_i / ours_i. Writes DIR/sweep.json and
+DIR/sweep.md, rewritten after every run; `python -m bench.grouped_gemm --configs
 DIR/sweep.json` then times our kernels with each pair's best config.
 """
 

@@ -5,28 +5,12 @@ the jax example Mosaic GPU kernels and jax.lax.ragged_dot, in one process, each 
         [--families torch,ours,...] [--configs SWEEP/sweep.json] [--budget-s S]
     python -m bench.grouped_gemm --smoke --out DIR     # CPU: tiny shapes, interpret mode
 
-Shapes (M routed rows of width K, G groups of [K, N] weights): DESIGN.md's five with uniform
-routing (a multinomial of M rows over G equally likely groups, seed 0) and qwen3 gate_up with
-Zipf routing (sizes proportional to 1 / rank^1.2, largest-remainder rounding, shuffled).
-Products: forward [M,K] x [G,K,N]; dgrad [M,N] x [G,K,N]^T; wgrad [M,K]^T x [M,N] -> [G,K,N];
-backward (dgrad and wgrad as a trainer runs them: torch autograd, jax.vjp pullbacks); the
-fused SwiGLU at the gate_up shapes (F = N / 2). Per shape and product:
-  1. bf16 inputs on the device (x ~ N(0, 1), w ~ N(0, 1/K), dout ~ N(0, 1)); torch sees the
-     same buffers through DLPack.
-  2. Each candidate runs once and is checked: against torch's output on every element (XLA
-     in f32 where torch did not run) and against pallas_kernels/grouped_matmul/reference.py in
-     f32 on the first, middle, last and largest groups (256 rows at each end of a group; whole
-     groups for wgrad). Pass: finite, |out - ref| <= 2^-6 (|ref| + rms(ref)) elementwise. A
-     candidate that fails is not timed (--time-failed times it, flagged).
-  3. Two more runs compared bitwise with the first, and the last timed run too.
-  4. Timing (bench.harness): warm-up, then the median (min, max) of >= 10 samples of >= 5 ms
-     of back-to-back calls between two syncs. Our kernels are also timed in alternation with
-     torch (--paired, the default): "x torch paired" is the median of the per-pair ratios
-     torch_i / ours_i, which device drift moves less than the ratio of two medians.
-TFLOP/s counts 2*M*K*N (backward twice that); "x torch" is torch's median over the candidate's.
-A candidate that cannot be imported or built is "not available: <reason>". The run also
-measures the ceilings (dense bf16 8192^3 matmul through XLA and torch, a device copy). Writes
-DIR/grouped_gemm.{json,md}, rewritten after every candidate.
+bench/README.md describes the shapes, products, candidates, check and tables. Inputs: bf16 on
+the device, x ~ N(0, 1), w ~ N(0, 1/K), dout ~ N(0, 1), torch reading the same buffers through
+DLPack; uniform routing is a multinomial of M rows over G groups (seed 0), Zipf routing rounds
+by largest remainder and shuffles the groups. The reference.py check covers --subset-rows rows
+at each end of a checked group (whole groups for wgrad). Writes DIR/grouped_gemm.{json,md},
+rewritten after every candidate.
 """
 
 from __future__ import annotations

@@ -4,24 +4,12 @@
         [--implementations pallas,fused] [--products forward,fwd_bwd] [--iters 3]
         [--token-chunks 512,2048] [--no-command-buffers]
 
-An implementation suffixed "_meshN" (e.g. fused_mesh1, fused_mesh2) runs under an N-device
-expert mesh with N times the shape's tokens; the kernel times are then the first GPU's. The
-layer's options are "auto" (`mok_jax.resolve` picks them for the device), and the token chunk
-each of --token-chunks where given.
-
-For each shape, implementation and product (the forward, or the forward and backward of
-sum(y * cotangent) and the aux loss), after warm-up, records `iters` calls under
-jax.profiler, reads the device's kernel events back from the trace (jax.profiler.ProfileData)
-and charges each kernel to the layer stage its HLO instruction came from: the named scope
-(route, plan, dispatch, experts, combine, aux) in the instruction's op_name metadata of the
-compiled module (whose end each kernel's record keeps, as `op`). Writes
-DIR/layer_profile.json and DIR/layer_profile.md: per stage, the kernel milliseconds per call
-and the kernel count per call, the wall span per call (first kernel start to last kernel end
-over all the calls, host gaps between them included, divided by the number of calls), the
-top kernels, and in the JSON every kernel. XLA runs most kernels inside command buffers
-(CUDA graphs), one event each with no stage: --no-command-buffers turns them off, so that
-every kernel is named and staged (at the cost of its launch). Runs on a CPU too (the host's
-XLA thunks stand in for kernels), which is what its test does.
+bench/README.md describes the stages and tables. The layer's options are "auto" (the token
+chunk each of --token-chunks where given); fwd_bwd differentiates sum(y * cotangent) and the
+aux loss. After warm-up, `iters` calls run under jax.profiler; each kernel of the trace is
+charged to the stage named in its HLO instruction's op_name (whose end it keeps as `op`). The
+wall span per call runs from the first kernel's start to the last one's end over all the calls,
+divided by their number. Runs on a CPU too (the host's XLA thunks stand in for kernels).
 """
 
 from __future__ import annotations

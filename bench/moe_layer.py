@@ -6,27 +6,14 @@ every candidate checked before it is timed.
         [--products forward,fwd_bwd] [--fused-options residuals=gate_up,...] [--budget-s S]
     python -m bench.moe_layer --smoke --out DIR     # CPU: tiny layers, interpret mode
 
-Shapes: qwen3_30b_a3b at T 16384, mixtral_8x7b at T 8192, a deepseek_v3 slice with 32 experts at
-T 4096, and qwen3 with Zipf-skewed routing (a router bias fitted so that the layer's own routing
-gives capped Zipf loads). Products: `forward` (y = layer(x)) and `fwd_bwd` (jax.value_and_grad
-of sum(y * cotangent) in f32 with respect to x and every weight, returning y and the gradients;
-torch: the same loss through autograd.grad). Per shape and product:
-  1. Inputs: x and the cotangent ~ N(0, 1) in bf16, the weights from `mok_jax.init_params` in
-     bf16 (every candidate reads the same buffers; torch through DLPack).
-  2. mok_jax's reference on the first --check-tokens tokens: their y and dx (a token's y and dx
-     depend on that token alone: dropless, no loss but sum(y * cotangent)).
-  3. Each candidate runs once and is checked: y / dx of the first tokens against that
-     reference, and every output (y, dx, each weight gradient) against the anchor (the first
-     candidate, in run order, whose reference check passed), elementwise with
-     mok_jax.tolerances' bf16 bound (|out - ref| <= rtol |ref| + atol max|ref|). Two more runs
-     are compared bitwise, output by output, and the last timed run with the first.
-  4. Timing (bench.harness): `fused` alone, then every other candidate in alternation with it:
-     "fused speedup" is the median of candidate_i / fused_i.
-backward = fwd_bwd median - forward median (derived). TFLOP/s counts the three expert GEMMs only:
-2*T*k*D*F*3 forward, 3x that for forward+backward (2x for the backward). A candidate that fails
-its check is timed and flagged (--no-time-failed: not timed). Our candidates run with MoEConfig's
-options "auto" (`mok_jax.resolve` picks them for the device); `--fused-options` sets `fused`'s.
-Writes DIR/moe_layer.{json,md}, rewritten after every candidate.
+bench/README.md describes the shapes, candidates, check and tables. Inputs: x and the cotangent
+~ N(0, 1) in bf16, `mok_jax.init_params` weights in bf16, torch reading the same buffers through
+DLPack. fwd_bwd is jax.value_and_grad of sum(y * cotangent) in f32 with respect to x and every
+weight (torch: autograd.grad), returning y and the gradients; a token's y and dx depend on that
+token alone, so the reference runs on the first --check-tokens tokens. The anchor is the first
+candidate in run order whose reference check passed. backward = fwd_bwd - forward medians;
+TFLOP/s counts the three expert GEMMs (2*T*k*D*F*3 forward, 3x for forward+backward). Writes
+DIR/moe_layer.{json,md}, rewritten after every candidate.
 """
 
 from __future__ import annotations

@@ -4,25 +4,11 @@
     python -m bench.multi_gpu --out DIR --smoke    # CPU, 8 simulated devices
     python -m bench.multi_gpu report DIR/multi_gpu.json ...    # the markdown tables
 
-One process drives every GPU (a single-host mesh). Three parts, each rewriting
-`DIR/multi_gpu.json` after every measurement so a cut run keeps what it measured:
-
-1. correctness: one global batch through the layer with EP = 1 (a single GPU) and EP = 2, 4, ...
-   (as many as there are GPUs), both exchanges: values and gradients against the single-GPU
-   result (the tolerance table and bitwise), and each configuration run 3 times compared bitwise;
-   at EP 1 also against the layer without a mesh, bit for bit.
-2. scaling: forward+backward at fixed tokens per device (weak scaling) for EP = 1, 2, 4, ...,
-   per exchange, and the same program with the exchange replaced by a local copy of the same
-   rows ("no exchange": the time the experts and the rest take), so the communication share is
-   1 - no_exchange / full. The time: bench.harness's median of `--timed` samples.
-3. bandwidth: the exchange's collectives alone at the layer's dispatch size (each device sends
-   N = T k rows of D bf16, an equal share to every device): `lax.ragged_all_to_all`, the dense
-   `lax.all_to_all` and one ring hop of `lax.ppermute`; bytes that leave a device per second.
-
-`--exchanges` may name `fused` among the exchanges: implementation "fused", whose exchange runs
-inside its own kernels, against the others run with `--implementation` (xla by default, or
-pallas); each implementation is compared with its own EP 1 run, and fused's scaling rows have no
-"no exchange" variant. NVLink multicast stays off (NCCL_NVLS_ENABLE=0 is set before jax starts).
+bench/README.md describes the three parts. `--exchanges` may name `fused` (implementation
+"fused", its exchange inside its own kernels; "fused@N": N copy programs) beside the exchanges
+run with `--implementation`; each implementation is compared with its own EP 1 run, and fused's
+scaling rows have no "no exchange" variant. Times: bench.harness's median of `--timed` samples.
+NCCL_NVLS_ENABLE=0 is set before jax starts.
 """
 
 from __future__ import annotations

@@ -3,16 +3,11 @@
     XLA_FLAGS=--xla_gpu_enable_command_buffer= python -m bench.train_profile --out DIR
         [--preset gpu] [--implementation fused] [--iters 3] [--batch-size N] [--top 25]
 
-Compiles the preset's train step (one device, no mesh), runs it a few times, then records
-`iters` steps under jax.profiler and charges each GPU kernel to the part of the model its HLO
-instruction came from, by the named scopes in its op_name: `optimizer`, `attention`,
-`dense_ffn`, the MoE layer's stages (`moe/route`, `moe/experts`, ...), and `other` (the
-embedding, the head and the loss, the scan's copies). Writes DIR/train_profile.json and
-DIR/train_profile.md: per part, milliseconds of kernels per step and kernels per step, the
-top kernels, and the step's wall time beside the sum of its kernels (the gap is the device
-idle: launches, host work). XLA runs most kernels inside command buffers (CUDA graphs), which
-the profile sees as one unnamed event; the XLA flag above turns them off so that each kernel
-is named (at the cost of its launch).
+bench/README.md describes it. The parts are the named scopes in each kernel's op_name:
+`optimizer`, `attention`, `dense_ffn`, the MoE layer's stages (`moe/route`, ...), and `other`
+(embedding, head, loss, the scan's copies); the gap between the step's wall time and its
+kernels' sum is the device idle (launches, host work). The XLA flag turns off command buffers,
+whose kernels the profile would see as one unnamed event.
 """
 
 from __future__ import annotations
