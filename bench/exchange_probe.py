@@ -24,6 +24,8 @@ import time
 
 import numpy as np
 
+from bench import harness as h
+
 PROBES = ("dispatch", "overlap", "layer")
 
 
@@ -60,7 +62,7 @@ def _dispatch() -> dict:
         got = np.asarray(fn(*args)[0]).reshape(ep, slots, d_model)
         ok &= bool(np.array_equal(got[filled[:, r]], want[:, r][filled[:, r]]))
     args = t_mod.placed(mesh, x, counts_se, 0)
-    best_ms = _timing(fn, *args)["min_ms"]
+    best_ms = h.time_fn(fn, *args)["min_ms"]
 
     # The round's tables alone (the same jit without the copies), to take out of the time.
     def tables_only(x, counts_se, round_index):
@@ -73,7 +75,7 @@ def _dispatch() -> dict:
 
     tables = jax.jit(jax.shard_map(tables_only, mesh=mesh, in_specs=(P(t_mod.AXIS), P(), P()),
                                    out_specs=P(t_mod.AXIS)))  # fmt: skip
-    table_ms = _timing(tables, *args)["min_ms"]
+    table_ms = h.time_fn(tables, *args)["min_ms"]
     rows = int(np.sum(filled[:, 0]))
     copies = (best_ms - table_ms) / 1e3
     # Dispatch and return: each round-0 row moves twice (to a peer when EP > 1). Per device:
@@ -83,18 +85,8 @@ def _dispatch() -> dict:
             "round0_GBps_per_device": 2 * rows * d_model * 2 / ep / copies / 1e9}  # fmt: skip
 
 
-def _timing(fn, *args, iters: int = 10) -> dict:
-    """bench.harness's timing of fn(*args): `iters` samples after one warm-up call."""
-    import jax
-
-    from bench import harness as h
-
-    runner = h.Runner(lambda: fn(*args), jax.block_until_ready, h.as_tuple)
-    return h.time_runner(runner, warmup=1, timed=iters, target_sample_s=0.005)
-
-
 def _median_ms(fn, *args, iters: int = 10) -> float:
-    return _timing(fn, *args, iters=iters)["median_ms"]
+    return h.time_fn(fn, *args, timed=iters)["median_ms"]
 
 
 def _overlap(programs: tuple[int, ...], window_factor: float, stages: tuple[int, ...]) -> dict:

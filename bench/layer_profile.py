@@ -21,20 +21,18 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import argparse
 import collections
 import dataclasses
-import glob
 import itertools
 import json
 import pathlib
 import re
 import sys
-import tempfile
-import warnings
 from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 
 from bench import harness as h
+from bench.harness.profile import module_name, op_names, traced_events
 from mok_jax import MoEOptions, init_params, make_mesh, moe, presets, scale_down
 
 # exchange_experts: `fused` under a mesh, whose kernels exchange rows while they compute.
@@ -52,7 +50,6 @@ SHAPES = {
     "tiny": ("qwen3_30b_a3b", 1024, 8),  # scaled down: the CPU test's shape
 }
 _STAGE = re.compile(r"\b(" + "|".join(STAGES) + r")\b")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*?op_name=\"([^\"]*)\"", re.MULTILINE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,58 +65,26 @@ class Kernel:
 
 def stage_of_instructions(hlo_text: str) -> dict[str, str]:
     """HLO instruction name -> the layer stage in its op_name (OTHER where none is)."""
-    stages = {}
-    for name, op_name in _INSTRUCTION.findall(hlo_text):
-        # The backward's scopes read transpose(jvp(route)): the stage is a word of the name.
-        found = _STAGE.search(op_name)
-        stages[name] = found.group(1) if found else OTHER
-    return stages
+    # The backward's scopes read transpose(jvp(route)): the stage is a word of the name.
+    found = {name: _STAGE.search(op_name) for name, op_name in op_names(hlo_text).items()}
+    return {name: f.group(1) if f else OTHER for name, f in found.items()}
 
 
 def op_of_instructions(hlo_text: str, *, chars: int = 160) -> dict[str, str]:
     """HLO instruction name -> the last `chars` characters of its op_name (the jax operations
     it came from: which of a mesh's several Mosaic GPU kernels an mpmd_map is, say)."""
-    return {name: op_name[-chars:] for name, op_name in _INSTRUCTION.findall(hlo_text)}
-
-
-def _device_events(xspace_path: str, module: str):
-    """(hlo_op, start_ns, duration_ns) of every event of `module`'s kernels: on the first GPU's
-    plane if there is one (with several GPUs, one device's kernels), else the host's XLA
-    thunks."""
-    from jax._src.lib import _profile_data
-
-    profile = _profile_data.ProfileData.from_file(xspace_path)
-    planes = [p for p in profile.planes if p.name == "/device:GPU:0"]
-    planes = planes or [p for p in profile.planes if p.name.startswith("/host:CPU")]
-    events = []
-    for plane in planes:
-        for line in plane.lines:
-            for event in line.events:
-                with warnings.catch_warnings():  # the bindings' stats type lacks __module__
-                    warnings.simplefilter("ignore", DeprecationWarning)
-                    stats = dict(event.stats)
-                if stats.get("hlo_module") == module and "hlo_op" in stats:
-                    events.append((str(stats["hlo_op"]), event.start_ns, event.duration_ns))
-    return events
+    return {name: op_name[-chars:] for name, op_name in op_names(hlo_text).items()}
 
 
 def profile_calls(fn: Callable, args: Sequence, *, iters: int, warmup: int = 2) -> dict:
     """Profiles `iters` calls of jitted fn(*args): kernels per stage, per call."""
-    jitted = jax.jit(fn)
-    compiled = jitted.lower(*args).compile()
+    compiled = jax.jit(fn).lower(*args).compile()
     hlo_text = compiled.as_text()
-    module = re.search(r"^HloModule ([\w.\-]+)", hlo_text, re.MULTILINE).group(1)
+    module = module_name(hlo_text)
     stages, ops = stage_of_instructions(hlo_text), op_of_instructions(hlo_text)
     for _ in range(warmup):
         jax.block_until_ready(compiled(*args))
-    with tempfile.TemporaryDirectory() as trace_dir:
-        with jax.profiler.trace(trace_dir):
-            for _ in range(iters):
-                jax.block_until_ready(compiled(*args))
-        [path] = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
-        events = _device_events(path, module)
-    if not events:
-        raise RuntimeError(f"no kernel events of module {module} in the profile")
+    events, _ = traced_events(lambda: jax.block_until_ready(compiled(*args)), module, iters)
     totals, counts = collections.Counter(), collections.Counter()
     for op, _, duration in events:
         totals[op] += duration
@@ -194,22 +159,19 @@ def _layer(name: str, implementation: str, product: str, token_chunk: int | None
 def render(records: Sequence[dict]) -> str:
     # Token chunk "default": options.token_chunk "auto" (2048 on a GPU); in records made before
     # the options moved into MoEOptions, the default of then (8 * row_tile, 512 at these shapes).
-    lines = [
-        "| shape | implementation | token chunk | product | wall span ms/call | kernel ms/call | "
-        "kernels/call | " + " | ".join(f"{s} ms (kernels)" for s in (*STAGES, OTHER)) + " |",
-        "| --- " * (7 + len(STAGES) + 1) + "|",
-    ]
+    columns = (*STAGES, OTHER)
+    header = ["shape", "implementation", "token chunk", "product", "wall span ms/call"]
+    header += ["kernel ms/call", "kernels/call", *(f"{s} ms (kernels)" for s in columns)]
+    rows = []
     for r in records:
-        cells = []
-        for s in (*STAGES, OTHER):
-            stage = r["stages"].get(s)
-            cells.append(f"{stage['kernel_ms']:.3f} ({stage['kernels']})" if stage else "-")
-        lines.append(
-            f"| {r['shape']} | {r['implementation']} | {r.get('token_chunk') or 'default'} | "
-            f"{r['product']} | {r['span_ms']:.3f} | "
-            f"{r['kernel_ms']:.3f} | {r['kernels_per_call']} | " + " | ".join(cells) + " |"
-        )
-    lines.append("")
+        st = r["stages"]
+        cells = [
+            f"{st[s]['kernel_ms']:.3f} ({st[s]['kernels']})" if s in st else "-" for s in columns
+        ]
+        rows.append([r["shape"], r["implementation"], r.get("token_chunk") or "default",
+                     r["product"], f"{r['span_ms']:.3f}", f"{r['kernel_ms']:.3f}",
+                     r["kernels_per_call"], *cells])  # fmt: skip
+    lines = [*h.table(header, rows), ""]
     for r in records:
         chunk = r.get("token_chunk") or "default"
         lines.append(

@@ -82,9 +82,8 @@ def sync_time(fn, *args, timed: int) -> tuple[float, float, list[float], object]
     start = time.perf_counter()
     out = jax.block_until_ready(fn(*args))
     first = time.perf_counter() - start
-    runner = h.Runner(lambda: fn(*args), jax.block_until_ready, h.as_tuple)
     keep: dict = {}
-    t = h.time_runner(runner, warmup=1, timed=timed, target_sample_s=0.005, keep=keep)
+    t = h.time_fn(fn, *args, timed=timed, keep=keep)
     return first, t["median_ms"], t["samples_ms"], keep.get("out", out)
 
 
@@ -358,55 +357,33 @@ def report(results: list[dict]) -> str:
     """Markdown tables of one or more runs' JSON (rows tagged with the run's XLA_FLAGS)."""
     rows = [dict(r, xla_flags=res.get("xla_flags", "")) for res in results for r in res["rows"]]
     out = []
+    flags = lambda r: r["xla_flags"] or "(default)"  # noqa: E731
     correct = [r for r in rows if r["part"] == "correctness" and "bitwise_vs_single_gpu" in r]
     if correct:
-        out += [
-            "| case | T | EP | implementation | exchange | rounds | 3 runs bitwise | within "
-            "tolerance | bitwise equal to 1 GPU | not bitwise (max rel. error) |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-        ]
+        header = ["case", "T", "EP", "implementation", "exchange", "rounds", "3 runs bitwise"]
+        header += ["within tolerance", "bitwise equal to 1 GPU", "not bitwise (max rel. error)"]
+        table = []
         for r in correct:
-            same = [k for k, v in r["bitwise_vs_single_gpu"].items() if v]
-            diff = [
-                f"{k} {r['max_rel_err_vs_single_gpu'][k]:.1e}"
-                for k, v in r["bitwise_vs_single_gpu"].items()
-                if not v
-            ]
-            out.append(
-                f"| {r['case']} | {r['tokens']} | {r['ep']} | {r.get('implementation', 'xla')} | "
-                f"{r['exchange']} | {r['rounds']} | {r['repeat_bitwise_3_runs']} | "
-                f"{r['within_tolerance_of_single_gpu']} | "
-                f"{', '.join(same)} | {', '.join(diff) or '-'} |"
-            )
-        out.append("")
-    band = [r for r in rows if r["part"] == "bandwidth"]
-    if band:
-        out += [
-            "| EP | collective | XLA_FLAGS | MB leaving each device | ms | GB/s per device |",
-            "| --- | --- | --- | --- | --- | --- |",
-        ]
-        for r in band:
-            out.append(
-                f"| {r['ep']} | {r['collective']} | {r['xla_flags'] or '(default)'} | "
-                f"{r['bytes_leaving_each_device'] / 1e6:.1f} | {r['ms']} | "
-                f"{r['gb_per_s_per_device']} |"
-            )
-        out.append("")
-    scale = [r for r in rows if r["part"] == "scaling" and "fwd_bwd_ms" in r]
-    if scale:
-        out += [
-            "| case | tokens/device | EP | implementation | exchange | XLA_FLAGS | fwd+bwd ms | "
-            "no-exchange ms | exchange share |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-        ]
-        for r in scale:
-            out.append(
-                f"| {r['case']} | {r['tokens_per_device']} | {r['ep']} | "
-                f"{r.get('implementation', 'xla')} | {r['exchange']} | "
-                f"{r['xla_flags'] or '(default)'} | {r['fwd_bwd_ms']} | "
-                f"{r.get('no_exchange_fwd_bwd_ms', '-')} | {r.get('exchange_share', '-')} |"
-            )
-        out.append("")
+            bits, err = r["bitwise_vs_single_gpu"], r["max_rel_err_vs_single_gpu"]
+            diff = ", ".join(f"{k} {err[k]:.1e}" for k, v in bits.items() if not v) or "-"
+            table.append([r["case"], r["tokens"], r["ep"], r.get("implementation", "xla"),
+                          r["exchange"], r["rounds"], r["repeat_bitwise_3_runs"],
+                          r["within_tolerance_of_single_gpu"],
+                          ", ".join(k for k, v in bits.items() if v), diff])  # fmt: skip
+        out += [*h.table(header, table), ""]
+    if band := [r for r in rows if r["part"] == "bandwidth"]:
+        header = ["EP", "collective", "XLA_FLAGS", "MB leaving each device", "ms",
+                  "GB/s per device"]  # fmt: skip
+        table = [[r["ep"], r["collective"], flags(r), f"{r['bytes_leaving_each_device'] / 1e6:.1f}",
+                  r["ms"], r["gb_per_s_per_device"]] for r in band]  # fmt: skip
+        out += [*h.table(header, table), ""]
+    if scale := [r for r in rows if r["part"] == "scaling" and "fwd_bwd_ms" in r]:
+        header = ["case", "tokens/device", "EP", "implementation", "exchange", "XLA_FLAGS",
+                  "fwd+bwd ms", "no-exchange ms", "exchange share"]  # fmt: skip
+        table = [[r["case"], r["tokens_per_device"], r["ep"], r.get("implementation", "xla"),
+                  r["exchange"], flags(r), r["fwd_bwd_ms"], r.get("no_exchange_fwd_bwd_ms", "-"),
+                  r.get("exchange_share", "-")] for r in scale]  # fmt: skip
+        out += [*h.table(header, table), ""]
     return "\n".join(out)
 
 

@@ -18,14 +18,13 @@ import dataclasses
 import json
 import pathlib
 import re
-import tempfile
-import time
 
 import jax
 import numpy as np
 
 from bench import harness as h
-from bench.layer_profile import STAGES, _device_events, op_of_instructions
+from bench.harness.profile import module_name, traced_events
+from bench.layer_profile import STAGES, op_of_instructions
 from train import data as data_lib
 from train.config import PRESETS
 from train.step import Trainer
@@ -59,7 +58,7 @@ def profile(trainer: Trainer, iters: int, warmup: int = 3, top: int = 25) -> dic
     with trainer.context():
         compiled = trainer._step.lower(*args).compile()
     hlo = compiled.as_text()
-    module = re.search(r"^HloModule ([\w.\-]+)", hlo, re.MULTILINE).group(1)
+    module = module_name(hlo)
     ops = op_of_instructions(hlo, chars=400)
     tokens = data_lib.load_bytes("synthetic")
     state = trainer.init_state()
@@ -72,15 +71,13 @@ def profile(trainer: Trainer, iters: int, warmup: int = 3, top: int = 25) -> dic
     for _ in range(warmup):
         state, metrics = compiled(state, x, y)
     jax.block_until_ready(metrics)
-    with tempfile.TemporaryDirectory() as trace_dir:
-        started = time.perf_counter()
-        with jax.profiler.trace(trace_dir):
-            for _ in range(iters):
-                state, metrics = compiled(state, x, y)
-            jax.block_until_ready(metrics)
-        wall_ms = (time.perf_counter() - started) * 1e3 / iters
-        (path,) = pathlib.Path(trace_dir).rglob("*.xplane.pb")
-        events = _device_events(str(path), module)
+
+    def step():
+        nonlocal state
+        state, metrics = compiled(state, x, y)
+        jax.block_until_ready(metrics)
+
+    events, wall_ms = traced_events(step, module, iters)
     by_part = collections.defaultdict(lambda: [0.0, 0])
     by_kernel = collections.defaultdict(lambda: [0.0, 0, ""])
     by_op = collections.defaultdict(lambda: [0.0, 0])
@@ -110,24 +107,20 @@ def profile(trainer: Trainer, iters: int, warmup: int = 3, top: int = 25) -> dic
 
 
 def render(result: dict) -> str:
-    lines = [
-        f"step wall {result['wall_ms_per_step']:.1f} ms, kernels "
-        f"{result['kernel_ms_per_step']:.1f} ms",
-        "",
-        "| part | ms / step | share of kernels | kernels / step |",
-        "| --- | --- | --- | --- |",
-    ]
     total = result["kernel_ms_per_step"] or 1.0
-    for part, v in sorted(result["parts"].items(), key=lambda kv: -kv[1]["ms"]):
-        lines.append(f"| {part} | {v['ms']:.2f} | {v['ms'] / total:.1%} | {v['kernels']:.0f} |")
-    lines += ["", "| top kernel | part | ms / step | count | op |", "|---|---|---|---|---|"]
-    for k in result["top"]:
-        op = k["op"].replace("|", "/")[-90:]
-        lines.append(f"| {k['kernel']} | {k['part']} | {k['ms']:.2f} | {k['count']:.0f} | {op} |")
-    lines += ["", "| part | operation | ms / step | kernels / step |", "|---|---|---|---|"]
-    for k in result.get("ops", []):
-        lines.append(f"| {k['part']} | {k['op']} | {k['ms']:.2f} | {k['kernels']:.0f} |")
-    return "\n".join(lines)
+    parts = sorted(result["parts"].items(), key=lambda kv: -kv[1]["ms"])
+    return "\n".join([
+        f"step wall {result['wall_ms_per_step']:.1f} ms, kernels {total:.1f} ms", "",
+        *h.table(["part", "ms / step", "share of kernels", "kernels / step"],
+                 [[p, f"{v['ms']:.2f}", f"{v['ms'] / total:.1%}", f"{v['kernels']:.0f}"]
+                  for p, v in parts]), "",
+        *h.table(["top kernel", "part", "ms / step", "count", "op"],
+                 [[k["kernel"], k["part"], f"{k['ms']:.2f}", f"{k['count']:.0f}",
+                   k["op"].replace("|", "/")[-90:]] for k in result["top"]]), "",
+        *h.table(["part", "operation", "ms / step", "kernels / step"],
+                 [[k["part"], k["op"], f"{k['ms']:.2f}", f"{k['kernels']:.0f}"]
+                  for k in result.get("ops", [])]),
+    ])  # fmt: skip
 
 
 def main(argv=None) -> None:

@@ -88,6 +88,12 @@ def torch_runner(torch, fn: Callable[[], Any], *, on_gpu: bool) -> Runner:
     return Runner(fn, lambda _out: sync(), to_jax, compile_s)
 
 
+def time_fn(fn: Callable, *args, timed: int = 10, warmup: int = 1, keep: dict | None = None):
+    """`time_runner` of a jitted fn(*args) (samples of at least 5 ms)."""
+    runner = Runner(lambda: fn(*args), jax.block_until_ready, as_tuple)
+    return time_runner(runner, warmup=warmup, timed=timed, target_sample_s=0.005, keep=keep)
+
+
 def _warm_up(runner: Runner, *, warmup: int, target_sample_s: float) -> tuple[int, int]:
     """Warm-up and calibration: (reps per sample, calls made). A first call longer than
     SLOW_CALL_S is the whole warm-up, with one call a sample."""
