@@ -6,25 +6,12 @@ its backward pass, measured on the CPU without allocating it.
         [--implementations xla,pallas,fused,fused_gate_up]
     python -m bench.activation_memory --smoke     # tiny layers, for a quick look
 
-Method. The residuals of the layer's VJP: `jax.vjp(lambda x, p: moe(x, p, cfg)[0], x, params)`
-traced on abstract values (`jax.ShapeDtypeStruct`s, nothing allocated, so the pallas and fused
-kernels are traced, never run), through jax's `saved_residuals`, which lists every array the
-VJP closes over with its shape, dtype and the line that produced it. The inputs x and the
-parameters are listed but not counted (they exist anyway); everything else is. Bytes per token
-= counted bytes / T. The trace is repeated at 2T to split the count into a part that grows with
-the tokens (slope, bytes per token) and a fixed part (casts of the weights, loop-invariant
-constants), and to mark each residual as one or the other.
-
-What this is and is not: the residuals are what the program holds between the layer's forward
-and its backward (per layer, times the layers of a model) as jax's partial evaluation decides
-it, before XLA's own optimizations (XLA may fuse away a broadcast or keep a copy). It is not the
-peak during the layer's backward: `routed_experts` and the `fused` backward recompute the
-experts stage under a nested `jax.vjp`, whose residuals live only while that backward runs and
-are not counted here. Only y is differentiated (the aux losses' residuals are not counted).
-Shapes: bench/moe_layer.py's layers (its SHAPES, router routing; the residuals'
-shapes do not depend on the routing: the layer is dropless), bf16 inputs and parameters.
-
-Writes OUT.md and OUT.json with --out, and prints the markdown.
+bench/README.md describes the method and what it does not count. The residuals come from jax's
+`saved_residuals` on `jax.ShapeDtypeStruct`s (the pallas and fused kernels are traced, never
+run); the trace at 2T marks each residual as growing with the tokens or fixed (casts of the
+weights, loop-invariant constants). Shapes: bench/moe_layer.py's layers (the residuals' shapes
+do not depend on the routing: the layer is dropless), bf16 inputs and parameters. Writes OUT.md
+and OUT.json with --out, and prints the markdown.
 """
 
 from __future__ import annotations

@@ -4,28 +4,22 @@ mesh, MoE implementation `xla` or `fused`) beside the same model in PyTorch (ben
     PYTHONPATH=. python3 -m bench.train_step --out DIR [--configs gpu,small_gpu]
         [--candidates xla,fused,torch] [--steps 10] [--budget-s 540]
 
-writes DIR/train_step.json and DIR/train_step.md (configs measured into DIR before are kept)
-and prints the markdown last. Every measurement runs in a fresh subprocess
-(bench/train_step_worker.py; torch's own jobs under `--torch-python`, default this one):
+Writes DIR/train_step.json and DIR/train_step.md (configs measured into DIR before are kept)
+and prints the markdown last. bench/README.md describes the stages; each runs in a fresh
+subprocess (bench/train_step_worker.py; torch's jobs under `--torch-python`):
 
-  solo    per candidate, with empty compilation caches (JAX's, in DIR/cache; torch's inductor
-          and triton caches): the compile time cold (JAX: `Trainer.compile`, trace + lower +
-          compile; torch: the first forward + backward, compiling); the first two losses
-          (finite and within 1.0 of ln 256, else the candidate fails); warm-up steps; `--steps`
-          steps, each synchronized (median: step time, tokens/s, MFU); the device's peak memory
-          (JAX: `peak_bytes_in_use`; torch: `max_memory_allocated`); for JAX also the memory
-          estimate, XLA's `compiled_memory()` and the remat policy chosen.
-  paired  the candidates that passed, in one process with JAX not preallocating: `--rounds`
-          rounds of `--steps` timed steps, alternating; the ratios come from here only. States
-          stay resident when the solo peaks fit together in 85% of the device; else each is
-          built and freed every round, and where JAX's largest peak and torch's do not fit
-          together, JAX uses its platform allocator (which returns freed memory); recorded.
+  solo    per candidate, empty compilation caches (JAX's in DIR/cache, torch's inductor and
+          triton caches): compile time cold, the first two losses, `--steps` synchronized steps,
+          the peak memory (JAX: `peak_bytes_in_use`; torch: `max_memory_allocated`).
+  paired  the candidates that passed, alternating `--rounds` rounds in one process with JAX not
+          preallocating; states stay resident when the solo peaks fit together in 85% of the
+          device, else each is built and freed every round (and JAX uses its platform
+          allocator where its peak and torch's do not fit together).
   warm    per candidate, with the solo run's caches: the compile time warm.
 
-MFU is `train.model.model_flops_per_token` (one count for every candidate) times tokens/s
-over `train.model.peak_flops`. When xla's memory estimate does not fit the config's batch,
-xla runs at the largest batch whose estimate fits, and fused is paired with it there too.
-Torch recomputes what the JAX step does (`--torch-remat match`). Batches are random bytes.
+MFU is `train.model.model_flops_per_token` times tokens/s over `train.model.peak_flops`. Where
+xla's memory estimate does not fit the batch, xla and fused run at the largest batch whose
+estimate fits. Torch recomputes what the JAX step does (`--torch-remat match`).
 """
 
 from __future__ import annotations
