@@ -11,10 +11,11 @@ subprocess (bench/train_step_worker.py; torch's jobs under `--torch-python`):
   solo    per candidate, empty compilation caches (JAX's in DIR/cache, torch's inductor and
           triton caches): compile time cold, the first two losses, `--steps` synchronized steps,
           the peak memory (JAX: `peak_bytes_in_use`; torch: `max_memory_allocated`).
-  paired  the candidates that passed, alternating `--rounds` rounds in one process with JAX not
-          preallocating; states stay resident when the solo peaks fit together in 85% of the
-          device, else each is built and freed every round (and JAX uses its platform
-          allocator where its peak and torch's do not fit together).
+  paired  the candidates that passed, alternating `--rounds` rounds. In one process with JAX not
+          preallocating where the solo peaks fit together in 85% of the device (states
+          resident), or JAX's largest and torch's do (each state built and freed every round);
+          else every round runs each candidate in a fresh process, with the solo run's
+          allocators and the caches warm, one after the other.
   warm    per candidate, with the solo run's caches: the compile time warm.
 
 MFU is `train.model.model_flops_per_token` times tokens/s over `train.model.peak_flops`. Where
@@ -233,8 +234,6 @@ class Bench:
             env |= {"TRITON_CACHE_DIR": str(root / "triton")}
             if candidates == ["torch"]:  # no JAX backend should start; if one does, small
                 env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
-        if job.get("allocator") == "platform":
-            env["XLA_PYTHON_CLIENT_ALLOCATOR"] = "platform"
         python = self.args.torch_python if candidates == ["torch"] else sys.executable
         return run_job(job, self.args.out / "jobs" / config, env, timeout, python)
 
@@ -285,28 +284,49 @@ class Bench:
         if len(ok) < 2:
             rec["skipped"] = "fewer than two candidates passed their solo run"
             return
-        rec.update(_memory_plan(cands, _pair_entries(cands, ok, pin=False)))
-        entries = _pair_entries(cands, ok, pin=rec["allocator"] == "platform")
+        entries = _pair_entries(cands, ok)
+        rec.update(_memory_plan(cands, entries))
         cache = self._cache(config, "paired")
         shutil.rmtree(cache, ignore_errors=True)
         for c in set(ok) & set(JAX_CANDIDATES):
             shutil.copytree(self._cache(config, c), cache, dirs_exist_ok=True)
-        job = {"name": "paired", "entries": entries, "rounds": self.args.rounds}
-        job |= {"resident": rec["resident"], "allocator": rec["allocator"]}
-        result = self._run(config, {**job, "jax_cache": str(cache)}, ok)
-        if result is None:
+        base = {"jax_cache": str(cache), "resident": rec["states"] == "resident"}
+        if rec["states"] == "processes":
+            results = self._paired_processes(config, entries, base)
+        else:
+            job = {**base, "name": "paired", "entries": entries, "rounds": self.args.rounds}
+            results = [r for r in [self._run(config, job, ok)] if r is not None]
+        if not results:
             rec["skipped"] = "the time budget was spent"
             return
-        rec.update(entries={}, timed_out=result["timed_out"], wall_s=result["wall_s"])
-        for key, got in result["entries"].items():
-            rounds = [r["step_times_s"] for r in got.get("rounds", []) if r["step_times_s"]]
+        rec.update(timed_out=any(r["timed_out"] for r in results))
+        rec.update(wall_s=sum(r["wall_s"] for r in results), entries={})
+        for key in [e["key"] for e in entries]:
+            got = [r["entries"][key] for r in results if key in r["entries"]]
+            rounds = [r["step_times_s"] for g in got for r in g.get("rounds", [])]
+            rounds = [r for r in rounds if r]
             times = [t for r in rounds for t in r]
+            error = next((g["error"] for g in got if g.get("error")), None)
             rec["entries"][key] = {
-                "candidate": got["candidate"], "batch_size": got.get("batch_size"),
-                "error": got.get("error"), "step_times_s": times,
+                "candidate": got[0]["candidate"] if got else key.split("@")[0],
+                "batch_size": got[0].get("batch_size") if got else None,
+                "error": error, "step_times_s": times,
                 "round_step_s": [statistics.median(r) for r in rounds],
-                "step_s": statistics.median(times) if times and "error" not in got else None,
+                "step_s": statistics.median(times) if times and error is None else None,
             }  # fmt: skip
+
+    def _paired_processes(self, config: str, entries: list[dict], base: dict) -> list[dict]:
+        """`--rounds` rounds, each running every entry in a fresh process of its own (one
+        round of timed steps after the warm-up); stops where the budget is spent."""
+        results = []
+        for r in range(self.args.rounds):
+            for entry in entries:
+                job = {**base, "name": f"paired_{r}_{entry['key']}", "entries": [entry]}
+                result = self._run(config, job, [entry["candidate"]])
+                if result is None:
+                    return results
+                results.append(result)
+        return results
 
 
 def _subject(candidates) -> str:
@@ -314,11 +334,10 @@ def _subject(candidates) -> str:
     return "fused" if "fused" in candidates else candidates[0]
 
 
-def _pair_entries(cands: dict, ok: list[str], *, pin: bool) -> list[dict]:
+def _pair_entries(cands: dict, ok: list[str]) -> list[dict]:
     """Each candidate at its solo batch, and the subject also at every other batch that ran
     (xla's, where its estimate did not fit the config's). JAX chooses its remat policy as in
-    the solo run ("auto": the same program, read from the caches), or with `pin` (where the
-    allocator does not say its memory) takes the solo run's choice."""
+    the solo run ("auto": the same program, read from the caches)."""
     entries, subject = {}, _subject(ok)
     for c in ok:
         b = cands[c]["batch_size"]
@@ -327,24 +346,25 @@ def _pair_entries(cands: dict, ok: list[str], *, pin: bool) -> list[dict]:
         entries.setdefault(f"{subject}@{b}", {"key": f"{subject}@{b}", "candidate": subject,
                                               "batch_size": b})  # fmt: skip
     for e in entries.values():
-        rec = cands[e["candidate"]]
-        e["remat"] = rec.get("torch_remat") or (rec["remat"] if pin else None)
+        e["remat"] = cands[e["candidate"]].get("torch_remat")
     return list(entries.values())
 
 
 def _memory_plan(cands: dict, entries: list[dict]) -> dict[str, Any]:
-    """resident: the solo peaks fit together in 85% of the device; allocator "platform" when
-    not resident and JAX's largest peak plus torch's do not fit (else "bfc")."""
+    """states "resident" (one process) where the solo peaks fit together in 85% of the
+    device; "rebuilt" (one process, each state built and freed every round) where JAX's
+    largest peak plus torch's do; else "processes" (a fresh process per entry and round)."""
     peaks = {e["key"]: cands[e["candidate"]].get("peak_bytes") for e in entries}
     sizes = [cands[c].get("device_bytes") for c in ("torch", *JAX_CANDIDATES) if c in cands]
     total = next((s for s in sizes if s), None)
     if not total or None in peaks.values():
-        return {"resident": True, "allocator": "bfc", "peaks": peaks}
+        return {"states": "resident", "peaks": peaks}
     jax_peak = max((p for k, p in peaks.items() if not k.startswith("torch@")), default=0)
     torch_peak = sum(p for k, p in peaks.items() if k.startswith("torch@"))
-    resident = sum(peaks.values()) <= 0.85 * total
-    platform = not resident and torch_peak and jax_peak + torch_peak > 0.85 * total
-    return {"resident": resident, "allocator": "platform" if platform else "bfc", "peaks": peaks}
+    if sum(peaks.values()) <= 0.85 * total:
+        return {"states": "resident", "peaks": peaks}
+    states = "processes" if jax_peak + torch_peak > 0.85 * total else "rebuilt"
+    return {"states": states, "peaks": peaks}
 
 
 # -- results --------------------------------------------------------------------------------
@@ -456,12 +476,13 @@ def _config_markdown(name: str, record: dict) -> list[str]:
         return [*lines, "", f"Paired: not run ({paired.get('skipped', 'no candidates')}).", *notes]
     ratios = paired.get("ratios", {}).items()
     said = ", ".join(f"**{k} {v['value']:.2f}x** (batch {v['batch_size']})" for k, v in ratios)
-    states = "resident" if paired["resident"] else "built and freed each round"
-    stopped = ", the process timed out" if paired.get("timed_out") else ""
-    summary = (
-        f"Paired in one process ({len(entries)} entries, states {states}, JAX allocator "
-        f"{paired['allocator']}{stopped}): {said or 'no ratio'}."
-    )
+    how = {
+        "resident": "in one process, states resident",
+        "rebuilt": "in one process, states built and freed each round",
+        "processes": "each round a fresh process per entry",
+    }[paired["states"]]
+    stopped = ", a process timed out" if paired.get("timed_out") else ""
+    summary = f"Paired ({len(entries)} entries, {how}{stopped}): {said or 'no ratio'}."
     return [*lines, "", summary, *notes]
 
 

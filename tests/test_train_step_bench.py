@@ -71,7 +71,7 @@ def test_toy_run_pairs_and_writes_markdown(toy_run):
     out, results = toy_run
     paired = results["configs"]["toy"]["paired"]
     assert paired["candidates"] == ["xla", "reference"]
-    assert paired["resident"] and paired["allocator"] == "bfc"
+    assert paired["states"] == "resident"
     entries = paired["entries"]
     assert set(entries) == {"xla@4", "reference@4"}
     for entry in entries.values():
@@ -87,6 +87,31 @@ def test_toy_run_pairs_and_writes_markdown(toy_run):
     env = results["environment"]
     assert env["versions"]["jax"] == jax.__version__ and "--configs toy" in env["command"]
     assert env["git_commit"] is None or len(env["git_commit"]) == 40
+
+
+@pytest.mark.slow
+def test_toy_pairing_with_a_process_per_entry_and_round(toy_run, monkeypatch):
+    """Where the states do not fit together, every round runs each candidate in a process of
+    its own (with the caches of the solo runs): each entry gets its rounds, and a ratio."""
+    out, results = toy_run
+    records = json.loads(json.dumps(results["configs"]))
+    monkeypatch.setattr(ts, "_memory_plan", lambda cands, entries: {"states": "processes"})
+    argv = ["--out", str(out), "--configs", "toy", "--candidates", "xla,reference"]
+    bench = ts.Bench(ts.parse_args([*argv, "--steps", "2", "--warmup", "2", "--rounds", "2"]),
+                     records)  # fmt: skip
+    bench.paired("toy")
+    ts.finish(records["toy"])
+    paired = records["toy"]["paired"]
+    assert paired["states"] == "processes" and not paired["timed_out"]
+    for key in ("xla@4", "reference@4"):
+        entry = paired["entries"][key]
+        assert entry["error"] is None
+        assert len(entry["step_times_s"]) == 4 and len(entry["round_step_s"]) == 2
+        for r in range(2):
+            assert (out / "jobs" / "toy" / f"paired_{r}_{key}.log").exists()
+    assert set(paired["ratios"]) == {"xla/reference"}
+    text = ts.markdown({"environment": results["environment"], "configs": records})
+    assert "each round a fresh process per entry" in text
 
 
 def test_budget_skips_what_does_not_fit(tmp_path):
@@ -140,16 +165,14 @@ def test_pairing_plan_and_ratios():
                   "torch_remat": "none", "device_bytes": 80 * gib},
     }  # fmt: skip
     ok = ["xla", "fused", "torch"]
-    entries = ts._pair_entries(cands, ok, pin=False)
+    entries = ts._pair_entries(cands, ok)
     assert [e["key"] for e in entries] == ["xla@32", "fused@64", "torch@64", "fused@32"]
     assert [e["remat"] for e in entries] == [None, None, "none", None]
-    assert [e["remat"] for e in ts._pair_entries(cands, ok, pin=True)][:2] == ["block", "none"]
-    plan = ts._memory_plan(cands, entries)
-    assert (plan["resident"], plan["allocator"]) == (False, "bfc")  # 50 + 15 <= 0.85 * 80
+    assert ts._memory_plan(cands, entries)["states"] == "rebuilt"  # 50 + 15 <= 0.85 * 80
     cands["torch"]["peak_bytes"] = 30 * gib
-    assert ts._memory_plan(cands, entries)["allocator"] == "platform"  # 50 + 30 > 0.85 * 80
+    assert ts._memory_plan(cands, entries)["states"] == "processes"  # 50 + 30 > 0.85 * 80
     cands["fused"]["peak_bytes"] = cands["xla"]["peak_bytes"] = 10 * gib
-    assert ts._memory_plan(cands, entries)["resident"]
+    assert ts._memory_plan(cands, entries)["states"] == "resident"
     steps = {"xla@32": 0.2, "fused@64": 0.3, "torch@64": 0.4, "fused@32": 0.1}
     record = {
         "seq_len": 1024, "flops_per_token": 6e9, "candidates": {
