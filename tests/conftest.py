@@ -1,6 +1,7 @@
-"""Test set-up: 8 fake CPU devices, strict dtype promotion, GPU interpret mode's matmul in a
-fixed order, hypothesis profiles, the gpu and slow markers (slow tests run only with --all), one
-XLA compilation cache for the run, jax's compiled programs released after each test module."""
+"""Test set-up: 8 fake CPU devices, a shared GPU's memory returned as freed, strict dtype
+promotion, GPU interpret mode's matmul in a fixed order, hypothesis profiles, the gpu and slow
+markers (slow tests run only with --all), one XLA compilation cache for the run, jax's compiled
+programs released after each test module."""
 
 import functools
 import gc
@@ -12,6 +13,12 @@ import types
 # The training command's compilation cache (on by default, in the user's cache folder) goes to a
 # folder of the test run's own, for the commands the tests start too.
 os.environ.setdefault("MOK_JAX_CACHE_DIR", tempfile.mkdtemp(prefix="mok_jax_test_cache_"))
+
+# pytest-xdist's workers share one GPU: each returns the device memory it frees (the platform
+# allocator) instead of keeping it in a pool of its own, where the other workers' real-size
+# tests ran out of memory (4 workers on an H100).
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")
 
 # Before jax initializes its backends: 8 simulated CPU devices for the sharded tests.
 _flags = os.environ.get("XLA_FLAGS", "")

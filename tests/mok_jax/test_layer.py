@@ -301,12 +301,12 @@ class _LayerTest(chex.TestCase):
         cfg, num_tokens = GPU_LAYERS[name]
         cfg = self.cfg(cfg)
         x, params, cotangent = random_inputs(cfg, num_tokens, seed=11)
-        first = value_and_grads(x, params, cotangent, cfg=cfg)
-        chex.assert_trees_all_equal(first, value_and_grads(x, params, cotangent, cfg=cfg))
-        reference = value_and_grads(x, params, cotangent, cfg=with_impl(cfg, "reference"))
-        assert_close_results(first, reference, cfg.dtype)
         compiled = value_and_grads.lower(x, params, cotangent, cfg=cfg).compile()
         self.assertEqual(compiled_float_scatter_adds(compiled.as_text()), [])
+        first = compiled(x, params, cotangent)
+        chex.assert_trees_all_equal(first, compiled(x, params, cotangent))
+        reference = value_and_grads(x, params, cotangent, cfg=with_impl(cfg, "reference"))
+        assert_close_results(first, reference, cfg.dtype)
 
 
 def _call(method):
