@@ -10,6 +10,7 @@ import pathlib
 import subprocess
 import sys
 import time
+import types
 
 import chex
 import jax
@@ -23,6 +24,20 @@ from pallas_kernels.exchange import protocol as xp
 from tests.pallas_kernels.exchange.protocol_sim import pieces
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
+
+
+# The protocol's tables as the kernels run them, traced (sizes static, device and round traced;
+# test_the_tables_trace_under_jit_with_traced_device_and_round holds them to the tables run op
+# by op): a hypothesis example compiles each table once for its sizes. Run op by op, each of
+# their operations compiled for the example's sizes, about 70% of the property tests' time.
+tables = types.SimpleNamespace(
+    row_places=jax.jit(xp.row_places, static_argnums=(2, 3, 4)),
+    tile_arrivals=jax.jit(xp.tile_arrivals, static_argnums=(3, 4)),
+    return_arrivals=jax.jit(xp.return_arrivals, static_argnums=(3, 4)),
+    pieces=jax.jit(xp.pieces, static_argnums=(1,)),
+    buffer_layout=jax.jit(xp.buffer_layout, static_argnums=(3, 4)),
+    exchange_moves=jax.jit(xp.exchange_moves, static_argnums=(3, 4, 5)),
+)
 
 
 @st.composite
@@ -43,7 +58,8 @@ def protocol_cases(draw):
 def all_places(counts_se, num_local, num_rows, window, tile):
     t = xp.traffic(jnp.asarray(counts_se), num_local)
     places = [
-        xp.row_places(t, jnp.int32(s), num_rows, window, tile) for s in range(counts_se.shape[0])
+        tables.row_places(t, jnp.int32(s), num_rows, window, tile)
+        for s in range(counts_se.shape[0])
     ]
     return t, [{f: np.asarray(getattr(p, f)) for f in ("dest_n", "expert_n", "round_n", "slot_n")}
                for p in places]  # fmt: skip
@@ -97,21 +113,21 @@ def test_semaphore_counts_are_the_pieces_sent(case):
     t = xp.traffic(jnp.asarray(counts_se), num_local)
     rounds = int(xp.window_rounds(t, window))
     sent = [
-        pieces(xp.row_places(t, jnp.int32(s), num_rows, window, tile), s, tile)
+        pieces(tables.row_places(t, jnp.int32(s), num_rows, window, tile), s, tile)
         for s in range(num_devices)
     ]
     every = [p for ps in sent for p in ps]
     assert sum(p.size for p in every) == counts_se.sum()
     for r in range(rounds):
         for d in range(num_devices):
-            arrivals = np.asarray(xp.tile_arrivals(t, jnp.int32(d), jnp.int32(r), window, tile))
+            arrivals = np.asarray(tables.tile_arrivals(t, jnp.int32(d), jnp.int32(r), window, tile))
             counted = np.zeros_like(arrivals)
             for p in every:
                 if (p.dest, p.round) == (d, r):
                     counted[p.tile] += 1
             np.testing.assert_array_equal(arrivals, counted)
         for s in range(num_devices):
-            back = np.asarray(xp.return_arrivals(t, jnp.int32(s), jnp.int32(r), window, tile))
+            back = np.asarray(tables.return_arrivals(t, jnp.int32(s), jnp.int32(r), window, tile))
             counted = np.bincount([p.dest for p in sent[s] if p.round == r], minlength=num_devices)
             np.testing.assert_array_equal(back, counted)
 
@@ -131,8 +147,8 @@ def test_pieces_are_the_runs_of_rows_in_one_tile(case):
     counts_se, num_local, num_rows, window, tile = case
     t = xp.traffic(jnp.asarray(counts_se), num_local)
     for s in range(counts_se.shape[0]):
-        places = xp.row_places(t, jnp.int32(s), num_rows, window, tile)
-        got = jax.tree.map(np.asarray, xp.pieces(places, tile))
+        places = tables.row_places(t, jnp.int32(s), num_rows, window, tile)
+        got = jax.tree.map(np.asarray, tables.pieces(places, tile))
         count = int(got.count)
         want = pieces(places, s, tile)
         assert count == len(want)
@@ -159,9 +175,9 @@ def test_exchange_moves_go_there_and_back_and_zero_the_padding(case):
     for r in range(rounds):
         returned = {s: [] for s in range(num_devices)}
         for d in range(num_devices):
-            moves = xp.exchange_moves(t, jnp.int32(d), jnp.int32(r), num_rows, window, tile)
+            moves = tables.exchange_moves(t, jnp.int32(d), jnp.int32(r), num_rows, window, tile)
             dispatch, back = jax.tree.map(np.asarray, moves)
-            mine = jax.tree.map(np.asarray, xp.pieces(xp.row_places(
+            mine = jax.tree.map(np.asarray, tables.pieces(tables.row_places(
                 t, jnp.int32(d), num_rows, window, tile), tile))  # fmt: skip
             for got, want in (
                 (dispatch.src_p, mine.row_p),
@@ -171,7 +187,10 @@ def test_exchange_moves_go_there_and_back_and_zero_the_padding(case):
                 (dispatch.round_p, mine.round_p),
                 (dispatch.counter_p, mine.tile_p),
                 (dispatch.count, mine.count),
-                (dispatch.arrivals_c, xp.tile_arrivals(t, jnp.int32(d), r, window, tile)),
+                (
+                    dispatch.arrivals_c,
+                    tables.tile_arrivals(t, jnp.int32(d), jnp.int32(r), window, tile),
+                ),
             ):
                 chex.assert_trees_all_equal(got, np.asarray(want))
             # The return's tables hold every round's pieces to d, each with its round.
@@ -181,7 +200,7 @@ def test_exchange_moves_go_there_and_back_and_zero_the_padding(case):
                 )
             assert (back.size_p[int(back.count) :] == 0).all()
             # The receiver's buffer: filled slots and zero ranges tile its groups exactly.
-            sizes_g, filled_s = (np.asarray(a) for a in xp.buffer_layout(
+            sizes_g, filled_s = (np.asarray(a) for a in tables.buffer_layout(
                 t, jnp.int32(d), jnp.int32(r), window, tile))  # fmt: skip
             assert (sizes_g % tile == 0).all()
             planned = np.zeros_like(filled_s)
@@ -200,7 +219,7 @@ def test_exchange_moves_go_there_and_back_and_zero_the_padding(case):
             assert (filled_s | zeroed)[:kept].all()
             assert not (filled_s | zeroed)[kept:].any()
         for s in range(num_devices):
-            sent = jax.tree.map(np.asarray, xp.pieces(xp.row_places(
+            sent = jax.tree.map(np.asarray, tables.pieces(tables.row_places(
                 t, jnp.int32(s), num_rows, window, tile), tile))  # fmt: skip
             want = sorted(
                 (int(sent.dest_p[i]), int(sent.slot_p[i]), int(sent.row_p[i]),
@@ -209,7 +228,7 @@ def test_exchange_moves_go_there_and_back_and_zero_the_padding(case):
             )  # fmt: skip
             assert sorted(returned[s]) == want
             # Each returning piece counts once on the source's one counter.
-            _, back_s = xp.exchange_moves(t, jnp.int32(s), jnp.int32(r), num_rows, window, tile)
+            _, back_s = tables.exchange_moves(t, jnp.int32(s), jnp.int32(r), num_rows, window, tile)
             assert np.asarray(back_s.arrivals_c).tolist() == [len(want)]
 
 
