@@ -3,6 +3,7 @@ in (source, position) order; simulated in numpy for every device and round."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from hypothesis import given
@@ -27,6 +28,12 @@ def traffic_cases(draw):
     return np.array(counts, np.int32).reshape(num_devices, -1), num_local, buffer_rows
 
 
+# The window's transfer as the layer runs it, traced (window static, device and round traced):
+# a hypothesis example compiles it once for its sizes, where op by op each of its operations
+# compiled for them.
+window_transfer = jax.jit(exchange.window_transfer, static_argnums=(3,))
+
+
 def expert_of_rows(counts_e: np.ndarray) -> np.ndarray:
     return np.repeat(np.arange(counts_e.shape[0]), counts_e)
 
@@ -47,8 +54,7 @@ def test_window_rounds_deliver_every_row_once_in_source_order(case):
     returned = {s: np.zeros(counts_se[s].sum(), int) for s in range(num_devices)}
     for r in range(rounds):
         views = [
-            exchange.window_transfer(t, jnp.int32(me), jnp.int32(r), window)
-            for me in range(num_devices)
+            window_transfer(t, jnp.int32(me), jnp.int32(r), window) for me in range(num_devices)
         ]
         windows = {d: [None] * window for d in range(num_devices)}
         for s, view in enumerate(views):
