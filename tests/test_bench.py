@@ -13,7 +13,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 # The benchmarks' Python (bench/results/ not counted): a ceiling, so that shared code stays in the
 # harness. Raise it only with a reason in the commit.
-MAX_LINES = 7710
+MAX_LINES = 7730
 
 
 def _modules() -> dict[str, pathlib.Path]:
