@@ -301,15 +301,15 @@ class Bench:
             return
         rec.update(timed_out=any(r["timed_out"] for r in results))
         rec.update(wall_s=sum(r["wall_s"] for r in results), entries={})
-        for key in [e["key"] for e in entries]:
-            got = [r["entries"][key] for r in results if key in r["entries"]]
-            rounds = [r["step_times_s"] for g in got for r in g.get("rounds", [])]
-            rounds = [r for r in rounds if r]
+        for entry in entries:
+            got = [r["entries"][entry["key"]] for r in results if entry["key"] in r["entries"]]
+            rounds = [
+                r["step_times_s"] for g in got for r in g.get("rounds", []) if r["step_times_s"]
+            ]
             times = [t for r in rounds for t in r]
             error = next((g["error"] for g in got if g.get("error")), None)
-            rec["entries"][key] = {
-                "candidate": got[0]["candidate"] if got else key.split("@")[0],
-                "batch_size": got[0].get("batch_size") if got else None,
+            rec["entries"][entry["key"]] = {
+                "candidate": entry["candidate"], "batch_size": entry["batch_size"],
                 "error": error, "step_times_s": times,
                 "round_step_s": [statistics.median(r) for r in rounds],
                 "step_s": statistics.median(times) if times and error is None else None,
