@@ -162,7 +162,10 @@ def pytest_configure(config):
 # pytest-xdist workers: a program that several tests compile anew (each Trainer jits its own
 # step, each module's programs are released after it, a module's tests may run on both
 # workers) is compiled by XLA once, then read back (the micro model's train step: ~30 s on 2
-# busy cores, then ~1 s). Only programs that took a second or more are kept.
+# busy cores, then ~1 s). Every program is kept, however quickly it compiled: the many small
+# programs of GPU interpret mode add up (tests/pallas_kernels/grouped_matmul with --all on 2
+# workers: 245 s and 342 s of CPU keeping all, against 267 s and 411 s keeping only those that
+# took a second or more).
 _compilation_cache: str | None = None
 
 
@@ -175,7 +178,7 @@ def _use_the_runs_compilation_cache(config) -> None:
         _compilation_cache = tempfile.mkdtemp(prefix="mok_jax_test_compilation_cache_")
         config.add_cleanup(functools.partial(shutil.rmtree, _compilation_cache, True))
     jax.config.update("jax_compilation_cache_dir", _compilation_cache)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
 @pytest.hookimpl(optionalhook=True)
