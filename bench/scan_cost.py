@@ -83,8 +83,9 @@ def measure(model_cfg, train_cfg, steps: int, rounds: int) -> dict:
         tokens, 0, batch_size=train_cfg.batch_size, seq_len=train_cfg.seq_len, seed=0
     )
     results = {name: {"compile_s": [], "round_ms": []} for name in VARIANTS}
-    for _ in range(rounds):
+    for round_index in range(rounds):
         for name in VARIANTS:
+            print(f"round {round_index + 1} of {rounds}: {name}", flush=True)
             trainer, seconds = _build(model_cfg, train_cfg, name)
             ms, loss = _time_steps(trainer, arrays, steps)
             results[name]["compile_s"].append(seconds)
