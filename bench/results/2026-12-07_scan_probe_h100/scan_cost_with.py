@@ -3,14 +3,11 @@ scan_probe.py names (argv[1]): python scan_cost_with.py default|nodsf|nounroll A
 
 import sys
 
-from scan_probe import EXTRA
+from scan_probe import EXTRA, use_options
 
-import mok_jax
 from bench import scan_cost
 
 if __name__ == "__main__":
-    base = mok_jax.compiler_options
-    extra = EXTRA[sys.argv[1]]
-    mok_jax.compiler_options = lambda: {**base(), **extra}
-    print("extra options", extra, flush=True)
+    use_options(sys.argv[1])
+    print("extra options", EXTRA[sys.argv[1]], flush=True)
     scan_cost.main(sys.argv[2:])

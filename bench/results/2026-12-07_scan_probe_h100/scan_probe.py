@@ -24,10 +24,15 @@ EXTRA = {
 }
 
 
-def main() -> None:
-    layers, variant, opts = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+def use_options(opts: str) -> None:
+    """`mok_jax.compiler_options()` from now on returns its options plus EXTRA[opts]."""
     base = mok_jax.compiler_options
     mok_jax.compiler_options = lambda: {**base(), **EXTRA[opts]}
+
+
+def main() -> None:
+    layers, variant, opts = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    use_options(opts)
     preset = PRESETS["gpu"]
     model_cfg = dataclasses.replace(preset.model, n_layers=layers)
     train_cfg = preset.train
