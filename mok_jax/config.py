@@ -35,6 +35,7 @@ from mok_jax.options import (
     Auto,
     MoEOptions,
 )
+from pallas_kernels.routing.reference import RouterSpec, ScoreFn
 
 # "reference": the oracle (one device); "xla": XLA ops, any mesh; "pallas": the Mosaic GPU
 # grouped GEMMs in the experts stage, any mesh; "fused": the rows read straight from the
@@ -42,7 +43,6 @@ from mok_jax.options import (
 # under a mesh the rows moved between devices inside kernels too (layer._fused_exchange).
 # "auto" (MoEConfig's default) picks one for the target: see `mok_jax.resolve`.
 Implementation = Literal["reference", "xla", "pallas", "fused"]
-ScoreFn = Literal["softmax", "sigmoid"]
 # How rows travel between the devices of the `expert` mesh axis for `xla` and `pallas` (see
 # exchange.py); `fused` moves them inside its kernels, as an all-to-all.
 Exchange = Literal["ragged_all_to_all", "ring"]
@@ -318,6 +318,19 @@ class MoEConfig:
     def experts_per_group(self) -> int:
         """Experts in one routing group (E when group-limited routing is off)."""
         return self.num_experts // (self.num_groups or 1)
+
+    @property
+    def router_spec(self) -> RouterSpec:
+        """What this config's router computes, as the routing kernels take it."""
+        return RouterSpec(
+            num_experts=self.num_experts,
+            top_k=self.top_k,
+            score_fn=self.score_fn,
+            norm_topk_prob=self.norm_topk_prob,
+            routed_scaling=self.routed_scaling,
+            num_groups=self.num_groups,
+            topk_groups=self.topk_groups,
+        )
 
     @property
     def shared_width(self) -> int:

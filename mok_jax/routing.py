@@ -21,6 +21,10 @@ from jax import Array, lax
 
 from mok_jax.config import MoEConfig
 from pallas_kernels.mesh import vary, varying_axes
+from pallas_kernels.routing import reference
+from pallas_kernels.routing.reference import normalized as normalized
+from pallas_kernels.routing.reference import score_shares
+from pallas_kernels.routing.reference import top_k_indices as top_k_indices
 
 
 @functools.partial(
@@ -59,10 +63,7 @@ def router_logits(x_td: Array, router_de: Array) -> Array:
 ROUTER_GRAD_BLOCK = 1024
 
 
-def _f32_dot(x_td: Array, router_de: Array) -> Array:
-    return jnp.dot(
-        x_td.astype(jnp.float32), router_de.astype(jnp.float32), precision=lax.Precision.HIGHEST
-    )
+_f32_dot = reference.f32_logits
 
 
 @jax.custom_vjp
@@ -111,62 +112,20 @@ _router_logits.defvjp(_router_logits_fwd, _router_logits_bwd)
 
 
 def router_scores(logits_te: Array, cfg: MoEConfig) -> Array:
-    if cfg.score_fn == "softmax":
-        return jax.nn.softmax(logits_te, axis=-1)
-    return jax.nn.sigmoid(logits_te)
-
-
-def top_k_indices(values: Array, k: int) -> Array:
-    """int32 [..., k]: indices of the k largest values along the last axis, largest first, ties
-    to the lower index, on every backend.
-
-    `lax.top_k` promises the same, but XLA may hand it to GPU kernels that do not keep it (see
-    openxla/xla#43913); a two-key sort (value descending, then index) states the order itself.
-    """
-    iota = lax.broadcasted_iota(jnp.int32, values.shape, values.ndim - 1)
-    _, indices = lax.sort((-values, iota), dimension=values.ndim - 1, num_keys=2)
-    return indices[..., :k]
-
-
-def eligible_experts(biased_te: Array, cfg: MoEConfig) -> Array:
-    """bool [T, E]: the experts of each token's `topk_groups` best groups."""
-    num_tokens = biased_te.shape[0]
-    grouped_tgp = biased_te.reshape(num_tokens, cfg.num_groups, cfg.experts_per_group)
-    best_two = lax.top_k(grouped_tgp, 2)[0]
-    group_score_tg = best_two[..., 0] + best_two[..., 1]
-    chosen_groups = top_k_indices(group_score_tg, cfg.topk_groups)
-    group_mask_tg = jnp.any(chosen_groups[..., None] == jnp.arange(cfg.num_groups), axis=1)
-    return jnp.repeat(group_mask_tg, cfg.experts_per_group, axis=1)
+    """f32 [T, E]: softmax or sigmoid of the logits (`reference.router_scores`)."""
+    return reference.router_scores(logits_te, cfg.router_spec)
 
 
 def select_experts(scores_te: Array, bias_e: Array, cfg: MoEConfig) -> Array:
-    """int32 [T, K]: the K best experts by biased score, best first, ties to the lower index."""
-    biased_te = lax.stop_gradient(scores_te + bias_e.astype(jnp.float32))
-    if cfg.num_groups is not None:
-        biased_te = jnp.where(eligible_experts(biased_te, cfg), biased_te, -jnp.inf)
-    return top_k_indices(biased_te, cfg.top_k)
+    """int32 [T, K]: the K best experts by biased score, best first, ties to the lower index,
+    within the eligible groups (`reference.select_experts`)."""
+    return reference.select_experts(scores_te, bias_e, cfg.router_spec)
 
 
 def chosen_weights(scores_te: Array, experts_tk: Array, cfg: MoEConfig) -> Array:
-    """f32 [T, K]: each chosen expert's unbiased score, normalized and scaled.
-
-    A dense one-hot selection, not a gather: a gather's gradient is a scatter-add, which is not
-    bitwise repeatable on GPU. Each sum over E has one nonzero term, so it is exact.
-    """
-    onehot_tke = experts_tk[..., None] == jnp.arange(cfg.num_experts)
-    weights_tk = jnp.sum(jnp.where(onehot_tke, scores_te[:, None, :], 0.0), axis=-1)
-    if cfg.norm_topk_prob:
-        weights_tk = normalized(weights_tk)
-    return weights_tk * cfg.routed_scaling
-
-
-def normalized(weights_tk: Array) -> Array:
-    """[T, K]: each token's weights divided by their sum; a token whose chosen sigmoid scores
-    all underflowed to 0 keeps weights 0 (not 0/0 = NaN), with a finite gradient."""
-    total_t1 = jnp.sum(weights_tk, axis=-1, keepdims=True)
-    positive_t1 = total_t1 > 0
-    # Dividing by 1 where the sum is 0 keeps NaN out of the untaken branch's gradient too.
-    return jnp.where(positive_t1, weights_tk / jnp.where(positive_t1, total_t1, 1.0), 0.0)
+    """f32 [T, K]: each chosen expert's unbiased score, normalized and scaled
+    (`reference.chosen_weights`)."""
+    return reference.chosen_weights(scores_te, experts_tk, cfg.router_spec)
 
 
 def route(x_td: Array, router_de: Array, bias_e: Array, cfg: MoEConfig) -> Routing:
@@ -222,11 +181,6 @@ def _token_mean(values_t: Array, axes: tuple[str, ...]) -> Array:
         return jnp.mean(values_t, axis=0)
     total = lax.psum(jnp.sum(values_t, axis=0), axes)
     return total / (values_t.shape[0] * lax.axis_size(axes))
-
-
-def score_shares(scores_te: Array) -> Array:
-    """f32 [T, E]: each token's scores normalized to sum to 1 (a token-wise quantity)."""
-    return scores_te / jnp.sum(scores_te, axis=-1, keepdims=True)
 
 
 def load_balancing_loss(
