@@ -60,6 +60,8 @@ from pallas_kernels.exchange import ops as exchange_ops
 from pallas_kernels.grouped_matmul import mosaic_gpu, ops, triton, tuning
 from pallas_kernels.grouped_matmul.mosaic_gpu_wgrad import tgmm
 from pallas_kernels.grouped_matmul.tuning import TileConfig
+from pallas_kernels.routing import mosaic_gpu as router
+from pallas_kernels.routing.reference import RouterSpec
 
 TABLE = pathlib.Path(__file__).with_suffix(".json")
 COMMAND = "python -m tests.pallas_kernels.lowered_kernels --write"
@@ -587,6 +589,15 @@ def _ops_dispatch_mlp(**kwargs) -> KernelConfig:
     return _exchange(body, local)
 
 
+def _router(num_tokens: int, num_experts: int, **spec) -> KernelConfig:
+    """The router's forward kernel on x [num_tokens, D_OPS] with num_experts experts."""
+    router_spec = RouterSpec(num_experts=num_experts, **spec)
+    return KernelConfig(
+        fn=lambda x, w, b: router.route(x, w, b, router_spec),
+        args=(S((num_tokens, D_OPS), BF16), S((D_OPS, num_experts), F32), S((num_experts,), F32)),
+    )
+
+
 _CONFIGS: dict[str, Callable[[], KernelConfig]] = {
     # The grouped GEMM's forward (mosaic_gpu.gmm): the default tiles, a bf16 and an f32 output.
     "gmm/plain": lambda: _gmm(),
@@ -701,6 +712,19 @@ _CONFIGS: dict[str, Callable[[], KernelConfig]] = {
     "exchange_ops/dispatch_mlp_separate_kernels": lambda: _ops_dispatch_mlp(exchange_programs=0),
     "exchange_ops/dispatch_mlp_recompute_kernel": lambda: _ops_dispatch_mlp(
         exchange_programs=PROGRAMS, recompute="kernel"
+    ),
+    # The router's forward: softmax top-k; sigmoid with groups, normalized and scaled, over a
+    # partial last tile and experts padded to the column grain.
+    "router/softmax": lambda: _router(256, 64, top_k=4),
+    "router/sigmoid_groups": lambda: _router(
+        200,
+        96,
+        top_k=6,
+        score_fn="sigmoid",
+        norm_topk_prob=True,
+        routed_scaling=2.5,
+        num_groups=8,
+        topk_groups=4,
     ),
 }
 NAMES: tuple[str, ...] = tuple(_CONFIGS)

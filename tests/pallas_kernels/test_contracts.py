@@ -8,10 +8,11 @@
   GPU twin            at a real size on a GPU (marked gpu; skipped without one): the same check
                       of the result, and the same bits on three runs
 
-A row (`ArrayCase`, `ExchangeCase`) holds the kernel, the inputs it draws for a problem, its
-reference and, per contract, the problems it runs: the grouped GEMMs (grouped_matmul/
+A row (`ArrayCase`, `ExchangeCase`, `RouterCase`) holds the kernel, the inputs it draws for a
+problem, its reference and, per contract, the problems it runs: the grouped GEMMs (grouped_matmul/
 mosaic_gpu.py, gathered rows included), the weight gradient (mosaic_gpu_wgrad.py), the
-differentiable ops that chain them (ops.py, values and gradients), and the exchange's kernels
+differentiable ops that chain them (ops.py, values and gradients), the router's forward
+(routing/mosaic_gpu.py), and the exchange's kernels
 (exchange/mosaic_gpu.py; they signal their peers through semaphores, which interpret mode does
 not run, so they have no interpret problems: their copies are tested in interpret mode beside
 them). What is particular to a kernel (races, invariants, schedules, bad inputs) is tested beside
@@ -40,12 +41,16 @@ from pallas_kernels.exchange import protocol as xp
 from pallas_kernels.grouped_matmul import mosaic_gpu, ops, reference
 from pallas_kernels.grouped_matmul.mosaic_gpu_wgrad import tgmm
 from pallas_kernels.grouped_matmul.tuning import TileConfig
+from pallas_kernels.routing import mosaic_gpu as router
+from pallas_kernels.routing import reference as router_reference
+from pallas_kernels.routing.reference import RouterSpec
 from pallas_kernels.tolerances import Tolerance, tolerance
 from tests.pallas_kernels.exchange import test_mosaic_gpu as exchange
 from tests.pallas_kernels.grouped_matmul import test_mosaic_gpu as grouped
 from tests.pallas_kernels.grouped_matmul import test_mosaic_gpu_gather as gathered
 from tests.pallas_kernels.grouped_matmul import test_mosaic_gpu_wgrad as wgrad
 from tests.pallas_kernels.grouped_matmul import test_ops as grouped_ops
+from tests.pallas_kernels.routing import test_mosaic_gpu as router_tests
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 
@@ -1148,9 +1153,101 @@ EXCHANGE = [
 ]
 
 # ---------------------------------------------------------------------------------------------
+# The router's forward kernel (routing/mosaic_gpu.py): tokens in, their experts, weights and
+# per-tile sums out. Its result is the reference's where no token has a near tie between two
+# experts (two f32 logits of different summation orders may rank those either way):
+# test_mosaic_gpu.assert_routed_matches.
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RouterProblem:
+    """T tokens of width D routed by `spec`; `fast` keeps it in the fast tier."""
+
+    t: int
+    d: int
+    spec: RouterSpec
+    seed: int = 0
+    fast: bool = False
+
+    def __str__(self) -> str:
+        s = self.spec
+        groups = f"-groups{s.topk_groups}of{s.num_groups}" if s.num_groups else ""
+        return f"{self.t}x{self.d}-e{s.num_experts}k{s.top_k}-{s.score_fn}{groups}"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _RoutedExpect(Expect):
+    """The whole `Routed` result against the reference's (see assert_routed_matches)."""
+
+    want: Any = None
+    bias: Any = None
+    spec: Any = None
+
+    def check(self, out) -> None:
+        router_tests.assert_routed_matches(out, self.want, self.bias, self.spec)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RouterCase:
+    name: str
+    interpret: tuple[RouterProblem, ...] = ()
+    lowered: tuple[RouterProblem, ...] = ()
+    gpu: tuple[RouterProblem, ...] = ()
+
+    @staticmethod
+    def inputs(p: RouterProblem) -> tuple:
+        return router_tests.inputs(p.t, p.d, p.spec.num_experts, seed=p.seed)
+
+    def lower(self, p: RouterProblem) -> jax.stages.Lowered:
+        x, w, b = jax.eval_shape(lambda: self.inputs(p))
+        call = functools.partial(router.route, spec=p.spec)
+        return jax.jit(call).trace(x, w, b).lower(lowering_platforms=("cuda",))
+
+    def check_lowered(self, text: str, p: RouterProblem) -> None:
+        del p
+        assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1, "one kernel"
+        assert "scatter" not in text, "the router scatters"
+
+    def runner(self, p: RouterProblem, *, interpret: bool) -> tuple[Callable, Callable]:
+        x, w, b = self.inputs(p)
+        call = functools.partial(router.route, spec=p.spec, interpret=interpret)
+        call = call if interpret else jax.jit(call)
+
+        def expected():
+            want = router_reference.route(x, w, b, p.spec, tile=router.TILE)
+            return _RoutedExpect(want=want, bias=b, spec=p.spec)
+
+        return (lambda: call(x, w, b)), expected
+
+
+_QWEN3 = RouterSpec(num_experts=128, top_k=8)
+_DSV3 = RouterSpec(
+    num_experts=256, top_k=8, score_fn="sigmoid", norm_topk_prob=True, routed_scaling=2.5,
+    num_groups=8, topk_groups=4,
+)  # fmt: skip
+_MIXTRAL = RouterSpec(num_experts=8, top_k=2)
+_ROUTER_REAL = (
+    RouterProblem(t=16384, d=2048, spec=_QWEN3),
+    RouterProblem(t=4096, d=7168, spec=_DSV3),
+    RouterProblem(t=8192, d=4096, spec=_MIXTRAL),
+)
+ROUTER = [
+    RouterCase(
+        name="router",
+        interpret=(
+            RouterProblem(t=200, d=128, spec=_QWEN3, fast=True),
+            RouterProblem(t=130, d=64, spec=_DSV3, fast=True),
+            RouterProblem(t=64, d=128, spec=_MIXTRAL),
+        ),
+        lowered=(dataclasses.replace(_ROUTER_REAL[0], fast=True), *_ROUTER_REAL[1:]),
+        gpu=_ROUTER_REAL,
+    )
+]
+
+# ---------------------------------------------------------------------------------------------
 # The table and the three contracts.
 
-TABLE = [*GROUPED_GEMMS, *GATHERED_ROWS, *WEIGHT_GRADIENT, *OPS, *EXCHANGE]
+TABLE = [*GROUPED_GEMMS, *GATHERED_ROWS, *WEIGHT_GRADIENT, *OPS, *EXCHANGE, *ROUTER]
 
 
 def _params(contract: str, *, tiers: bool = True) -> list:
