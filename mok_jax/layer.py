@@ -46,6 +46,7 @@ from mok_jax.routing import (
     load_balancing_loss,
     route_logits,
     router_logits,
+    router_scores,
     router_z_loss,
     score_shares,
 )
@@ -67,8 +68,12 @@ def _psum(x: Array, axes: _Axes) -> Array:
 
 
 def _route(x_td: Array, params: MoEParams, cfg: MoEConfig) -> tuple[Routing, Array, Array]:
-    """(routing, score shares [T, E], logsumexp of the logits [T]) of every token."""
+    """(routing, score shares [T, E] (with the router kernel: their sum over the tokens, [E]),
+    logsumexp of the logits [T]) of every token."""
     with jax.named_scope("route"):
+        if cfg.implementation == "fused" and cfg.options.router == "kernel":
+            return _route_in_kernel(x_td, params, cfg)
+
         # Token by token, in fixed-shape chunks: a reduction over a token's K weights or E
         # scores (and its gradient) must not change order with the number of tokens here.
         def chunk(x_cd):
@@ -78,6 +83,35 @@ def _route(x_td: Array, params: MoEParams, cfg: MoEConfig) -> tuple[Routing, Arr
             return routing, score_shares(routing.scores_te), lse_c
 
         return token_tiled(chunk, x_td, cfg.options.token_chunk)
+
+
+def _route_in_kernel(
+    x_td: Array, params: MoEParams, cfg: MoEConfig
+) -> tuple[Routing, Array, Array]:
+    """The router's kernel (pallas_kernels/routing): one program per 64 tokens, each token's
+    results from its own row (the same bits on every mesh); the backward over token chunks."""
+    from pallas_kernels.routing import ops as routing_ops
+
+    if x_td.dtype != jnp.bfloat16:
+        raise ValueError(
+            f"router='kernel' routes bfloat16 tokens; x is {x_td.dtype}: cast x to bfloat16 "
+            "or use router 'xla'"
+        )
+    routed = routing_ops.route(
+        x_td,
+        params.router,
+        params.router_bias,
+        cfg.router_spec,
+        chunk=cfg.options.token_chunk,
+        interpret=current_target().interpret,
+    )
+    routing = Routing(
+        experts_tk=routed.experts_tk,
+        weights_tk=routed.weights_tk,
+        logits_te=routed.logits_te,
+        scores_te=router_scores(routed.logits_te, cfg),  # its shape only: XLA drops the rest
+    )
+    return routing, jnp.sum(routed.shares_ue, axis=0), routed.lse_t
 
 
 def _plan(routing: Routing, cfg: MoEConfig, axes: _Axes) -> tuple[Plan, Array]:
@@ -208,11 +242,13 @@ def _aux(
     cfg: MoEConfig,
     axes: _Axes,
 ) -> MoEAux:
-    routing, shares_te, lse_t = routed
+    routing, shares, lse_t = routed
+    # Shares per token [T, E], or (the router kernel) their sum over the tokens [E].
+    given = {"shares_te": shares} if shares.ndim == 2 else {"share_sums_e": shares}
     with jax.named_scope("aux"):
         return MoEAux(
             aux_loss=load_balancing_loss(
-                routing.scores_te, tokens_per_expert, cfg, axes.tokens, shares_te=shares_te
+                routing.scores_te, tokens_per_expert, cfg, axes.tokens, **given
             ),
             z_loss=router_z_loss(routing.logits_te, cfg, axes.tokens, lse_t=lse_t),
             tokens_per_expert=tokens_per_expert,

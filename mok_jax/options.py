@@ -41,7 +41,13 @@ Recompute = Literal["gmm", "kernel"]
 # round's whole forward, dispatch, gate/up, down and return, in one kernel).
 ExchangeFusion = Literal["per_gemm", "forward"]
 
+# How the `fused` implementation routes its tokens: "xla" (the router's stages as XLA operations
+# over fixed-shape token chunks) or "kernel" (the router's forward as one Mosaic GPU kernel,
+# pallas_kernels/routing, a program per 64 tokens; its backward XLA's, over the same chunks).
+Router = Literal["xla", "kernel"]
+
 ROWS: tuple[str, ...] = typing.get_args(Rows)
+ROUTERS: tuple[str, ...] = typing.get_args(Router)
 RESIDUALS: tuple[str, ...] = typing.get_args(Residuals)
 RECOMPUTES: tuple[str, ...] = typing.get_args(Recompute)
 EXCHANGE_FUSIONS: tuple[str, ...] = typing.get_args(ExchangeFusion)
@@ -49,7 +55,7 @@ EXCHANGE_FUSIONS: tuple[str, ...] = typing.get_args(ExchangeFusion)
 # The options that only the `fused` implementation reads, and those that only its in-kernel
 # exchange reads (under a mesh whose expert axis has several devices, or with
 # exchange_on_one_device).
-FUSED_OPTIONS = ("rows", "residuals", "recompute")
+FUSED_OPTIONS = ("rows", "residuals", "recompute", "router")
 EXCHANGE_OPTIONS = ("exchange_tile", "exchange_programs", "exchange_fusion")
 
 
@@ -97,6 +103,10 @@ class MoEOptions:
       recompute: `fused` only, with residuals "inputs": how the backward recomputes gate and up
         (`Recompute`). "auto": "gmm" (on the H200 3.03 against 3.73 ms at qwen3_30b_a3b).
         "kernel" keeps 12*K*F bytes a token of f32 intermediates out of HBM; other last bits.
+      router: `fused` only: how the tokens are routed (`Router`). "kernel" selects experts from
+        logits of another summation order than "xla"'s (a token whose two best-ranked experts
+        are within f32 rounding of each other may be sent to the other one) and needs bf16
+        tokens, at most 256 experts and a token_chunk that is a multiple of 64. "auto": "xla".
       exchange_tile: `fused` under a mesh, in-kernel exchange: rows per tile of the receive
         buffer (each local expert's rows of a round start on a tile boundary; the grain at
         which GEMMs can start on arrived rows). The same bits at any value. "auto": 64.
@@ -117,6 +127,7 @@ class MoEOptions:
     rows: Rows | Auto = AUTO
     residuals: Residuals | Auto = AUTO
     recompute: Recompute | Auto = AUTO
+    router: Router | Auto = AUTO
     exchange_tile: int | Auto = AUTO
     exchange_programs: int | Auto = AUTO
     exchange_fusion: ExchangeFusion | Auto = AUTO
@@ -127,6 +138,7 @@ class MoEOptions:
         _check_choice("rows", self.rows, ROWS)
         _check_choice("residuals", self.residuals, RESIDUALS)
         _check_choice("recompute", self.recompute, RECOMPUTES)
+        _check_choice("router", self.router, ROUTERS)
         _check_count("exchange_tile", self.exchange_tile, minimum=1)
         _check_count("exchange_programs", self.exchange_programs, minimum=0)
         _check_choice("exchange_fusion", self.exchange_fusion, EXCHANGE_FUSIONS)

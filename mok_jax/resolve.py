@@ -15,11 +15,12 @@ The rules (each unit-tested on CPU with named targets, tests/mok_jax/test_resolv
                   in-kernel exchange and recompute is left "auto"; else "inputs". Both give
                   the same bits (the recomputed gate and up are rounded as the kept ones are).
   recompute       "gmm".
+  router          "xla" (the router kernel is chosen explicitly, `router="kernel"`).
   exchange_tile   64;  exchange_programs: the target's entry of the exchange's tuning table;
   exchange_fusion "per_gemm".
 
 The bits contract: y and dx are the same bits on every mesh and expert-parallel degree for a
-given config. The choices that change last bits (implementation, token_chunk, recompute)
+given config. The choices that change last bits (implementation, token_chunk, recompute, router)
 depend on the config and the target only, never on the mesh or the token count; residuals
 depends on both, and its choices are the same bits.
 
@@ -49,6 +50,7 @@ from mok_jax.options import (
     current_target,
 )
 from mok_jax.tiles import TILES_PER_STEP
+from pallas_kernels.routing.mosaic_gpu import MAX_EXPERTS as ROUTER_MAX_EXPERTS
 
 # The token chunk on a GPU: the measured best at qwen3_30b_a3b on the H200 (MoEOptions).
 GPU_TOKEN_CHUNK = 2048
@@ -169,6 +171,11 @@ def _check_applies(cfg: MoEConfig, impl: str, ctx: Context) -> None:
             f"recompute={options.recompute!r} applies to residuals 'inputs' only: with "
             "'gate_up' the backward recomputes nothing"
         )
+    if options.router == "kernel" and cfg.num_experts > ROUTER_MAX_EXPERTS:
+        raise ValueError(
+            f"router='kernel' takes at most {ROUTER_MAX_EXPERTS} experts "
+            f"(num_experts={cfg.num_experts}): use router 'xla'"
+        )
     if in_kernels and options.exchange_fusion == "forward" and cfg.d_model % 128:
         raise ValueError(
             f"exchange_fusion='forward' needs d_model={cfg.d_model} to be a multiple of 128 "
@@ -204,6 +211,7 @@ def _resolve_options(cfg: MoEConfig, impl: str, ctx: Context) -> tuple[MoEOption
         in_kernels = ctx.exchange_in_kernels or (ctx.meshed and options.exchange_on_one_device)
         pick("rows", "copied", "faster than 'gathered' on the H200")
         pick("recompute", "gmm", "faster than 'kernel' on the H200")
+        pick("router", "xla", "the chunked XLA stages; set 'kernel' for the router's kernel")
         kept = residual_bytes(cfg, ctx.num_tokens)
         memory = target.memory_bytes
         if in_kernels:

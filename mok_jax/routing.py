@@ -190,16 +190,23 @@ def load_balancing_loss(
     axes: tuple[str, ...] = (),
     *,
     shares_te: Array | None = None,
+    share_sums_e: Array | None = None,
 ) -> Array:
     """coef * E * sum_e f_e * P_e (f32 []): f_e the share of the T*K routed slots sent to e, P_e
     the mean over tokens of the scores normalized to sum to 1 per token (`score_shares`, or
-    `shares_te` when given). Under shard_map, the tokens are those of every device on `axes`
-    and tokens_per_expert_e must be global."""
+    `shares_te` when given, or from `share_sums_e`, their sum over this device's tokens). Under
+    shard_map, the tokens are those of every device on `axes` and tokens_per_expert_e must be
+    global."""
     if cfg.aux_loss_coef == 0:
         return jnp.zeros((), jnp.float32)
-    num_slots = scores_te.shape[0] * cfg.top_k * (lax.axis_size(axes) if axes else 1)
+    devices = lax.axis_size(axes) if axes else 1
+    num_slots = scores_te.shape[0] * cfg.top_k * devices
     f_e = tokens_per_expert_e.astype(jnp.float32) / num_slots
-    p_e = _token_mean(score_shares(scores_te) if shares_te is None else shares_te, axes)
+    if share_sums_e is not None:
+        total_e = lax.psum(share_sums_e, axes) if axes else share_sums_e
+        p_e = total_e / (scores_te.shape[0] * devices)
+    else:
+        p_e = _token_mean(score_shares(scores_te) if shares_te is None else shares_te, axes)
     return cfg.aux_loss_coef * cfg.num_experts * jnp.sum(f_e * p_e)
 
 

@@ -45,6 +45,7 @@ from jax import Array, lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.mesh import like
 from pallas_kernels.routing.reference import Routed, RouterSpec
 
 TILE = 64  # tokens per program: the rows of one warpgroup's wgmma
@@ -361,7 +362,7 @@ def route(
         x_td, router_pieces(router_de, columns), bias
     )
     e = spec.num_experts
-    return Routed(
+    routed = Routed(
         experts_tk=experts[:, :num_tokens].T,
         weights_tk=weights[:, :num_tokens].T,
         logits_te=logits[:num_tokens, :e],
@@ -369,3 +370,5 @@ def route(
         counts_ue=counts[:, :e],
         shares_ue=shares[:, :e],
     )
+    # Inside shard_map: typed to vary where the tokens do (the kernel's outputs drop it).
+    return jax.tree.map(lambda out: like(out, x_td), routed)

@@ -129,6 +129,23 @@ def test_two_devices_equal_one():
 
 
 @pytest.mark.slow
+def test_the_router_kernel_keeps_the_bits_across_meshes():
+    """router "kernel": each token routed by its own row of a kernel tile and its gradient
+    from fixed token chunks, so y and dx are the bits of one device on EP 2 and on a 2 x 2
+    data x expert mesh (one round each: a buffer above the load)."""
+    cfg = with_impl(QWEN3, "fused", router="kernel", buffer_factor=2.0)
+    x, params, cotangent = random_inputs(cfg, NUM_TOKENS, 3)
+    base = one_device(cfg, 3)
+    meshes = (
+        make_mesh("expert", devices=jax.devices()[:2]),
+        make_mesh("data_expert", data=2, devices=jax.devices()[:4]),
+    )
+    with gpu_interpret_on_several_devices():
+        for mesh in meshes:
+            assert_same_rows(value_and_grads(x, params, cotangent, cfg, mesh), base, cfg.dtype)
+
+
+@pytest.mark.slow
 def test_automatic_choices_keep_the_bits_across_meshes():
     """implementation and options "auto", built for an H100 (its kernels run in GPU interpret
     mode here): without a mesh the rules keep gate and up (residuals "gate_up"); on EP 2 the

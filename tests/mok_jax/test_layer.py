@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from absl.testing import parameterized
 
-from mok_jax import MoEConfig, init_params, moe, presets
+from mok_jax import MoEConfig, init_params, moe, presets, resolve
 from pallas_kernels.grouped_matmul import mosaic_gpu
 from tests.mok_jax.cases import (
     SCALED_PRESETS,
@@ -503,6 +503,44 @@ class FusedLayerTest(_KernelLayerTest):
         (_, (y, _)), _ = value_and_grads(x, params, cotangent, cfg=cfg)
         (_, (y_pallas, _)), _ = value_and_grads(x, params, cotangent, cfg=with_impl(cfg, "pallas"))
         chex.assert_trees_all_equal(y, y_pallas)
+
+
+class FusedRouterKernelLayerTest(_KernelLayerTest):
+    """implementation="fused" with router="kernel": the router's forward as one Mosaic GPU kernel
+    (pallas_kernels/routing, GPU interpret mode on a CPU backend), which routes bf16 tokens.
+    The router's gradient and the capacity's plan run on its outputs here: those tests run."""
+
+    implementation = "fused"
+    compute_dtypes = ("bfloat16",)
+    fast = ("test_token_counts0", "test_router_kernel")
+    xla_stage_tests = tuple(
+        name
+        for name in XLA_STAGE_TESTS
+        if name not in ("test_router_bias_gets_no_gradient", "test_capacity_")
+    )
+
+    def cfg(self, base: MoEConfig = TINY, **changes) -> MoEConfig:
+        return with_impl(base, "fused", router="kernel", **changes)
+
+    def test_router_kernel_takes_bf16_tokens_only(self):
+        cfg = self.cfg()
+        x, params, _ = random_inputs(cfg, 8, x_dtype=jnp.float32)
+        with self.assertRaisesRegex(ValueError, "router='kernel' routes bfloat16 tokens"):
+            moe(x, params, cfg)
+        with self.assertRaisesRegex(ValueError, "at most 256 experts"):
+            resolve(self.cfg(num_experts=320), num_tokens=8)
+
+    def test_router_kernel_routes_as_the_xla_router(self):
+        # The kernel's logits sum in another order than XLA's: on these inputs no token has a
+        # near tie, so both route alike, with weights within f32 rounding.
+        cfg = self.cfg(SCALED_PRESETS["deepseek_v3"])
+        x, params, cotangent = random_inputs(cfg, 48, seed=7)
+        kernel = value_and_grads(x, params, cotangent, cfg=cfg)
+        xla = value_and_grads(x, params, cotangent, cfg=with_impl(cfg, "fused", router="xla"))
+        (_, (_, aux)), _ = kernel
+        (_, (_, aux_xla)), _ = xla
+        chex.assert_trees_all_equal(aux.tokens_per_expert, aux_xla.tokens_per_expert)
+        assert_close_results(kernel, xla, cfg.dtype)
 
 
 del _LayerTest, _KernelLayerTest  # the bases hold no implementation of their own

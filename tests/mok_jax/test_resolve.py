@@ -128,6 +128,11 @@ def test_exchange_options_under_an_expert_axis():
             "recompute='kernel' applies to residuals 'inputs' only",
         ),
         (
+            dict(num_experts=320, options=MoEOptions(router="kernel")),
+            {},
+            "router='kernel' takes at most 256 experts",
+        ),
+        (
             dict(d_model=192, options=MoEOptions(exchange_fusion="forward")),
             dict(meshed=True, expert_devices=2),
             "d_model=192 to be a multiple of 128",
@@ -173,16 +178,18 @@ def test_report_says_each_choice_and_why():
         "token_chunk",
         "rows",
         "recompute",
+        "router",
         "residuals",
     ]
     assert res.summary() == (
-        "MoE 'fused' (token_chunk=2048, rows='copied', residuals='gate_up', recompute='gmm')"
+        "MoE 'fused' (token_chunk=2048, rows='copied', residuals='gate_up', recompute='gmm', "
+        "router='xla')"
     )
 
 
-# The bits contract: the choices that change last bits (implementation, token_chunk, recompute)
-# depend on the config and the target, never on the mesh or the token count.
-BITS_KNOBS = ("implementation", "token_chunk", "recompute")
+# The bits contract: the choices that change last bits (implementation, token_chunk, recompute,
+# router) depend on the config and the target, never on the mesh or the token count.
+BITS_KNOBS = ("implementation", "token_chunk", "recompute", "router")
 
 
 @pytest.mark.parametrize("target", [H100, H200, A100, CPU], ids=lambda t: t.device_kind)
@@ -219,3 +226,28 @@ def test_defaults_lower_to_the_mosaic_gpu_kernels_for_cuda():
         lowered = grad().trace(x, params).lower(lowering_platforms=("cuda",))
     # The forward's gate/up and down kernels, and the backward's.
     assert lowered.as_text().count("mosaic_gpu") >= 4
+
+
+def test_the_router_kernel_lowers_for_cuda_without_scatter_adds():
+    # router="kernel", built for an H100: one more Mosaic GPU kernel than "xla" in the forward
+    # and backward (the router's forward), and no scatter-add anywhere (the plan's one scatter
+    # writes a permutation).
+    from tests.mok_jax.test_layer import scatter_combiners
+
+    def lowered_text(router: str) -> str:
+        cfg = MoEConfig(**BASE, options=MoEOptions(router=router))
+        params = mok_jax.init_params(jax.random.key(0), cfg)
+        x = jnp.ones((256, BASE["d_model"]), jnp.bfloat16)
+
+        def loss(x, params):
+            y, aux = mok_jax.moe(x, params, cfg)
+            return y.astype(jnp.float32).sum() + aux.loss
+
+        with targeting("NVIDIA H100 80GB HBM3"):
+            grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
+            return grad.trace(x, params).lower(lowering_platforms=("cuda",)).as_text()
+
+    kernel, xla = lowered_text("kernel"), lowered_text("xla")
+    calls = "custom_call @mosaic_gpu"
+    assert kernel.count(calls) == xla.count(calls) + 1
+    assert not [c for c in scatter_combiners(kernel) if "add" in c]

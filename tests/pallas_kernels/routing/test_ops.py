@@ -1,0 +1,87 @@
+"""The router as a differentiable op (pallas_kernels/routing/ops.py), its kernel in GPU
+interpret mode: values and gradients against the reference's, a token's input gradient the same
+bits at any token count, the bias without a gradient, bad chunks."""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.routing import ops, reference
+from pallas_kernels.routing.reference import RouterSpec
+from pallas_kernels.tolerances import tolerance
+from tests.pallas_kernels.routing.test_mosaic_gpu import SPECS, TILE, inputs
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+CHUNK = 2 * TILE
+
+
+def _loss(route_fn, spec: RouterSpec, seed: int = 0):
+    """A scalar of every differentiable output, each with its own random weights."""
+    keys = jax.random.split(jax.random.key(100 + seed), 4)
+
+    def loss(x, router, bias):
+        routed = route_fn(x, router, bias)
+        weights = (
+            jax.random.normal(keys[0], routed.weights_tk.shape),
+            jax.random.normal(keys[1], routed.lse_t.shape),
+            jax.random.normal(keys[2], routed.shares_ue.shape),
+            jax.random.normal(keys[3], routed.logits_te.shape),
+        )
+        outputs = (routed.weights_tk, routed.lse_t, routed.shares_ue, routed.logits_te)
+        return sum(jnp.vdot(w, o) for w, o in zip(weights, outputs, strict=True))
+
+    return loss
+
+
+def _kernel(spec):
+    return lambda x, w, b: ops.route(x, w, b, spec, chunk=CHUNK, interpret=True)
+
+
+def _reference(spec):
+    return lambda x, w, b: reference.route(x, w, b, spec, tile=TILE)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["groups", pytest.param("softmax", marks=pytest.mark.slow), "sigmoid_norm_scaled"],
+)
+def test_gradients_match_the_reference(name):
+    spec = SPECS[name]
+    x, router, bias = inputs(150, 64, spec.num_experts, seed=4)
+    grads = jax.grad(_loss(_kernel(spec), spec), argnums=(0, 1, 2))(x, router, bias)
+    want = jax.grad(_loss(_reference(spec), spec), argnums=(0, 1))(x, router, bias)
+    chex.assert_trees_all_equal_shapes_and_dtypes(grads[:2], want)
+    for got, expected, dtype in ((grads[0], want[0], BF16), (grads[1], want[1], F32)):
+        tol = tolerance(F32, dtype)
+        expected = np.asarray(expected, np.float32)
+        np.testing.assert_allclose(
+            np.asarray(got, np.float32), expected, rtol=tol.rtol, atol=tol.scaled_atol(expected)
+        )
+    chex.assert_trees_all_equal(grads[2], jnp.zeros_like(bias))  # the bias only ranks
+
+
+def test_a_tokens_input_gradient_does_not_depend_on_the_token_count():
+    spec = SPECS["softmax"]
+    x, router, bias = inputs(3 * CHUNK, 64, spec.num_experts, seed=5)
+    ct = jax.random.normal(jax.random.key(6), (3 * CHUNK, spec.top_k))
+
+    def dx(x_td, ct_tk):
+        def weights(x):
+            return ops.route(x, router, bias, spec, chunk=CHUNK, interpret=True).weights_tk
+
+        return jax.vjp(weights, x_td)[1](ct_tk)[0]
+
+    whole = dx(x, ct)
+    chex.assert_trees_all_equal(dx(x[:CHUNK], ct[:CHUNK]), whole[:CHUNK])
+    chex.assert_trees_all_equal(dx(x[CHUNK:], ct[CHUNK:]), whole[CHUNK:])
+
+
+def test_chunk_must_be_whole_tiles():
+    spec = SPECS["softmax"]
+    x, router, bias = inputs(8, 64, spec.num_experts)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        ops.route(x, router, bias, spec, chunk=96, interpret=True)
