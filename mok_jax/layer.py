@@ -88,8 +88,9 @@ def _route(x_td: Array, params: MoEParams, cfg: MoEConfig) -> tuple[Routing, Arr
 def _route_in_kernel(
     x_td: Array, params: MoEParams, cfg: MoEConfig
 ) -> tuple[Routing, Array, Array]:
-    """The router's kernel (pallas_kernels/routing): one program per 64 tokens, each token's
-    results from its own row (the same bits on every mesh); the backward over token chunks."""
+    """The router's kernels (pallas_kernels/routing), forward and backward: one program per 64
+    tokens, each token's results and input gradient from its own row (the same bits on every
+    mesh)."""
     from pallas_kernels.routing import ops as routing_ops
 
     if x_td.dtype != jnp.bfloat16:
@@ -102,7 +103,6 @@ def _route_in_kernel(
         params.router,
         params.router_bias,
         cfg.router_spec,
-        chunk=cfg.options.token_chunk,
         interpret=current_target().interpret,
     )
     routing = Routing(

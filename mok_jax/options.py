@@ -42,8 +42,8 @@ Recompute = Literal["gmm", "kernel"]
 ExchangeFusion = Literal["per_gemm", "forward"]
 
 # How the `fused` implementation routes its tokens: "xla" (the router's stages as XLA operations
-# over fixed-shape token chunks) or "kernel" (the router's forward as one Mosaic GPU kernel,
-# pallas_kernels/routing, a program per 64 tokens; its backward XLA's, over the same chunks).
+# over fixed-shape token chunks) or "kernel" (the router's forward and backward as one Mosaic GPU
+# kernel each, pallas_kernels/routing, a program per 64 tokens).
 Router = Literal["xla", "kernel"]
 
 ROWS: tuple[str, ...] = typing.get_args(Rows)
@@ -106,7 +106,7 @@ class MoEOptions:
       router: `fused` only: how the tokens are routed (`Router`). "kernel" selects experts from
         logits of another summation order than "xla"'s (a token whose two best-ranked experts
         are within f32 rounding of each other may be sent to the other one) and needs bf16
-        tokens, at most 256 experts and a token_chunk that is a multiple of 64. "auto": "xla".
+        tokens and at most 256 experts. "auto": "xla".
       exchange_tile: `fused` under a mesh, in-kernel exchange: rows per tile of the receive
         buffer (each local expert's rows of a round start on a tile boundary; the grain at
         which GEMMs can start on arrived rows). The same bits at any value. "auto": 64.

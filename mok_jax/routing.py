@@ -22,6 +22,8 @@ from jax import Array, lax
 from mok_jax.config import MoEConfig
 from pallas_kernels.mesh import vary, varying_axes
 from pallas_kernels.routing import reference
+from pallas_kernels.routing.ops import ROUTER_GRAD_BLOCK as ROUTER_GRAD_BLOCK
+from pallas_kernels.routing.ops import router_weight_grad
 from pallas_kernels.routing.reference import normalized as normalized
 from pallas_kernels.routing.reference import score_shares
 from pallas_kernels.routing.reference import top_k_indices as top_k_indices
@@ -55,14 +57,6 @@ def router_logits(x_td: Array, router_de: Array) -> Array:
     return _router_logits(x_td, vary(router_de, varying_axes(x_td)))
 
 
-# Rows of a block of the router weights' gradient. Over a whole token chunk that gradient is
-# one [D, C] x [C, E] product with a handful of output tiles and a K of C, which a GPU runs on a
-# few SMs (0.57 ms for a chunk of 16,384 tokens at D 1024, E 64 on an H100: 8% of the `gpu`
-# training preset's step); as a batch of [D, B] x [B, E] products it has C / B times the tiles,
-# and their sum runs in a fixed order.
-ROUTER_GRAD_BLOCK = 1024
-
-
 _f32_dot = reference.f32_logits
 
 
@@ -81,31 +75,6 @@ def _router_logits_bwd(residuals, d_logits_te):
     d_x_td = jax.vjp(_f32_dot, x_td, router_de)[1](d_logits_te)[0]
     d_router_de = router_weight_grad(x_td, router_de.astype(jnp.float32), d_logits_te)
     return d_x_td, d_router_de.astype(router_de.dtype)
-
-
-def router_weight_grad(x_td: Array, router_de: Array, d_logits_te: Array) -> Array:
-    """The router weights' gradient x^T @ d_logits, f32 [D, E], at full f32 precision.
-
-    Up to ROUTER_GRAD_BLOCK tokens, or a count that is not a multiple of it: autodiff's
-    transposed dot, bit for bit. Else the sum over consecutive blocks of ROUTER_GRAD_BLOCK
-    tokens of each block's autodiff gradient, added in block order: a function of the tokens
-    alone, as the layer's fixed token chunks require. router_de (f32, its values unused) gives
-    the gradient's shape and, inside shard_map, the mesh axes it varies over."""
-
-    def grad_de(x_td, d_logits_te):
-        return jax.vjp(lambda w: _f32_dot(x_td, w), router_de)[1](d_logits_te)[0]
-
-    num_tokens = x_td.shape[0]
-    blocks = num_tokens // ROUTER_GRAD_BLOCK
-    if blocks <= 1 or num_tokens % ROUTER_GRAD_BLOCK:
-        return grad_de(x_td, d_logits_te)
-    x_btd = x_td.reshape(blocks, ROUTER_GRAD_BLOCK, x_td.shape[1])
-    d_bte = d_logits_te.reshape(blocks, ROUTER_GRAD_BLOCK, d_logits_te.shape[1])
-    parts_bde = jax.vmap(grad_de)(x_btd, d_bte)
-    total_de = parts_bde[0]
-    for b in range(1, blocks):
-        total_de = total_de + parts_bde[b]
-    return total_de
 
 
 _router_logits.defvjp(_router_logits_fwd, _router_logits_bwd)

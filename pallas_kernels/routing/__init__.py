@@ -1,2 +1,3 @@
-"""The router: scores, top-k selection and routing weights of a tile of tokens. reference.py
-(the spec, which the layer's routing calls), mosaic_gpu.py (the forward kernel)."""
+"""The router: scores, top-k selection and routing weights of tiles of tokens. reference.py
+(the spec, which the layer's routing calls), mosaic_gpu.py (the forward and backward kernels),
+ops.py (the custom_vjp, and the router weights' gradient)."""

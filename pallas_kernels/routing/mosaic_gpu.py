@@ -1,6 +1,8 @@
-"""The router's forward as one Mosaic GPU kernel (Hopper, sm90): a program per tile of tokens.
+"""The router's forward and backward as Mosaic GPU kernels (Hopper, sm90): a program per tile
+of tokens.
 
   route(x [T, D] bf16, router [D, E] f32, bias [E]) -> reference.Routed
+  route_backward(x, router, experts [T, K], cotangents) -> (dx [T, D], d_logits [T, E] f32)
 
 Program u owns tokens [u * TILE, (u + 1) * TILE) and runs, in registers:
 
@@ -314,6 +316,33 @@ def _interpret_params(interpret: bool | plgpu.InterpretGPUParams):
     return interpret or None
 
 
+def _forward_call(x_td, pieces, bias, spec: RouterSpec, num_tokens: int, interpret):
+    """The forward kernel on padded tokens [T', D]: the raw outputs, [K, T'] slots first."""
+    padded, columns, k = x_td.shape[0], pieces.shape[2], spec.top_k
+    tiles = padded // TILE
+    out_type = (
+        jax.ShapeDtypeStruct((k, padded), jnp.int32),
+        jax.ShapeDtypeStruct((k, padded), jnp.float32),
+        jax.ShapeDtypeStruct((padded, columns), jnp.float32),
+        jax.ShapeDtypeStruct((padded,), jnp.float32),
+        jax.ShapeDtypeStruct((tiles, columns), jnp.int32),
+        jax.ShapeDtypeStruct((tiles, columns), jnp.float32),
+    )
+    call = plgpu.kernel(
+        functools.partial(_kernel, spec=spec, num_tokens=num_tokens),
+        out_type=out_type,
+        grid=(tiles,),
+        grid_names=("tile",),
+        interpret=_interpret_params(interpret),
+    )
+    return call(x_td, pieces, bias)
+
+
+def _padded_tokens(x_td: Array) -> Array:
+    num_tokens = x_td.shape[0]
+    return jnp.pad(x_td, ((0, pl.cdiv(num_tokens, TILE) * TILE - num_tokens), (0, 0)))
+
+
 def route(
     x_td: Array,
     router_de: Array,
@@ -336,32 +365,13 @@ def route(
       counts int32 [U, E] and shares f32 [U, E] over the U = ceil(T / TILE) tiles.
     """
     check_inputs(x_td, router_de, bias_e, spec)
-    num_tokens = x_td.shape[0]
-    tiles = pl.cdiv(num_tokens, TILE)
-    padded = tiles * TILE
-    columns = padded_experts(spec.num_experts)
-    x_td = jnp.pad(x_td, ((0, padded - num_tokens), (0, 0)))
-    bias = jnp.pad(bias_e.astype(jnp.float32), (0, columns - spec.num_experts))
-    k = spec.top_k
-    out_type = (
-        jax.ShapeDtypeStruct((k, padded), jnp.int32),
-        jax.ShapeDtypeStruct((k, padded), jnp.float32),
-        jax.ShapeDtypeStruct((padded, columns), jnp.float32),
-        jax.ShapeDtypeStruct((padded,), jnp.float32),
-        jax.ShapeDtypeStruct((tiles, columns), jnp.int32),
-        jax.ShapeDtypeStruct((tiles, columns), jnp.float32),
+    num_tokens, e = x_td.shape[0], spec.num_experts
+    columns = padded_experts(e)
+    bias = jnp.pad(bias_e.astype(jnp.float32), (0, columns - e))
+    raw = _forward_call(
+        _padded_tokens(x_td), router_pieces(router_de, columns), bias, spec, num_tokens, interpret
     )
-    call = plgpu.kernel(
-        functools.partial(_kernel, spec=spec, num_tokens=num_tokens),
-        out_type=out_type,
-        grid=(tiles,),
-        grid_names=("tile",),
-        interpret=_interpret_params(interpret),
-    )
-    experts, weights, logits, lse, counts, shares = call(
-        x_td, router_pieces(router_de, columns), bias
-    )
-    e = spec.num_experts
+    experts, weights, logits, lse, counts, shares = raw
     routed = Routed(
         experts_tk=experts[:, :num_tokens].T,
         weights_tk=weights[:, :num_tokens].T,
@@ -372,3 +382,216 @@ def route(
     )
     # Inside shard_map: typed to vary where the tokens do (the kernel's outputs drop it).
     return jax.tree.map(lambda out: like(out, x_td), routed)
+
+
+# ----------------------------------------------------------------------------------------------
+# The backward: x's gradient and the logits' (for the router's), a program per tile.
+#
+#   B1. The program recomputes its tile's logits with the forward's K steps (invariant 2), so
+#       scores and lse are the forward's bits; the chosen columns are the forward's experts.
+#   B2. d_logits is a row-wise function of the tile (the cotangents of the weights, the lse and
+#       the tile's score shares, the last for its real tokens only); dx = d_logits @ router^T
+#       from the three bf16 pieces of each (six wgmmas a block of D, the products whose
+#       pieces' ranks add up to at most 2), accumulated in f32: f32 precision, one writer
+#       per element, no split-K. So a token's dx is the same bits in any tile and at any T
+#       (tests/pallas_kernels/routing/test_ops.py), and both match the reference's gradients
+#       (test_contracts.py's router_grads row).
+
+DX_PAIRS = ((0, 0), (0, 1), (1, 0), (0, 2), (1, 1), (2, 0))  # (d_logits piece, router piece)
+DX_BLOCK_N = 64  # columns of dx a pipeline step
+
+
+def _load_slots(ref, u, count: int) -> list[Array]:
+    """`count` [TILE] row vectors: columns [u * TILE, (u + 1) * TILE) of ref [count, T']."""
+
+    def scope(smem, barrier):
+        plgpu.copy_gmem_to_smem(ref.at[:, pl.ds(u * TILE, TILE)], smem, barrier)
+        plgpu.barrier_wait(barrier)
+        return [plgpu.load(smem.at[j], layout=_ROW) for j in range(count)]
+
+    return pl.run_scoped(scope, plgpu.SMEM((count, TILE), ref.dtype), plgpu.Barrier())
+
+
+def _load_columns(ref) -> Array:
+    """An [E'] column vector from ref [E'] in GMEM."""
+
+    def scope(smem, barrier):
+        plgpu.copy_gmem_to_smem(ref, smem, barrier)
+        plgpu.barrier_wait(barrier)
+        return plgpu.load(smem, layout=_COLUMN)
+
+    return pl.run_scoped(scope, plgpu.SMEM(ref.shape, ref.dtype), plgpu.Barrier())
+
+
+def _chosen_grad(scores, hits, d_weights, spec: RouterSpec) -> Array:
+    """d_scores [TILE, E'] from the weights' cotangents (normalization and scaling undone)."""
+    raw = [jnp.where(hit, scores, 0.0).sum(axis=1) for hit in hits]
+    if spec.norm_topk_prob:
+        total = functools.reduce(lambda a, b: a + b, raw)
+        positive = total > 0
+        safe = jnp.where(positive, total, 1.0)
+        inner = functools.reduce(
+            lambda a, b: a + b, [d * r for d, r in zip(d_weights, raw, strict=True)]
+        )
+        d_raw = [
+            jnp.where(positive, (d / safe - inner / (safe * safe)) * spec.routed_scaling, 0.0)
+            for d in d_weights
+        ]
+    else:
+        d_raw = [d * spec.routed_scaling for d in d_weights]
+    terms = [jnp.where(hit, _rows(d, hit.shape), 0.0) for hit, d in zip(hits, d_raw, strict=True)]
+    return functools.reduce(lambda a, b: a + b, terms)
+
+
+def _logits_grad(logits, real, real_rows, cts, spec: RouterSpec) -> Array:
+    """d_logits [TILE, E'] (B2): cts = (experts, d_weights, d_lse, d_shares) of the tile."""
+    experts, d_weights, d_lse, d_shares = cts
+    shape = logits.shape
+    col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+    scores, lse = _scores(logits, real, spec)
+    hits = [col == _rows(e, shape) for e in experts]
+    d_scores = _chosen_grad(scores, hits, d_weights, spec)
+    total = _rows(scores.sum(axis=1), shape)
+    shares = scores / total
+    d_shares = jnp.where(real_rows, _columns(d_shares, shape), 0.0)
+    d_scores = d_scores + (d_shares - _rows((d_shares * shares).sum(axis=1), shape)) / total
+    if spec.score_fn == "softmax":
+        d_logits = scores * (d_scores - _rows((scores * d_scores).sum(axis=1), shape))
+    else:
+        d_logits = jnp.where(real, d_scores * scores * (1.0 - scores), 0.0)
+    softmax = jnp.exp(jnp.where(real, logits, -jnp.inf) - _rows(lse, shape))
+    return d_logits + _rows(d_lse, shape) * softmax
+
+
+def _split(value: Array) -> list[Array]:
+    """Three bf16 pieces of an f32 register array (invariant 1's split)."""
+    pieces, rest = [], value
+    for _ in range(PIECES):
+        piece = rest.astype(jnp.bfloat16)
+        rest = rest - piece.astype(jnp.float32)
+        pieces.append(piece)
+    return pieces
+
+
+def _dx(d_pieces, pieces_t_ref, dx_ref, u) -> None:
+    """dx's row tile, block by block of D (B2); d_pieces: d_logits' bf16 pieces in SMEM. Each
+    block is stored through dx_smem before the next is formed there (the pipeline's own
+    output copies are predicated, which GPU interpret mode does not run)."""
+    columns, d = pieces_t_ref.shape[1], pieces_t_ref.shape[2]
+    # Shared memory: d_logits' pieces (6 KiB a 16 experts) and a stage of the router's
+    # transposed pieces (the same again per 64 columns of D) must fit 227 KiB.
+    block_n = DX_BLOCK_N
+    stages = STAGES if columns <= 128 else 1
+    piece_specs = [
+        plgpu.BlockSpec(
+            (None, columns, block_n), functools.partial(_piece_block_n, p), transforms=_swizzled()
+        )
+        for p in range(PIECES)
+    ]
+
+    def scope(dx_smem):
+        def step(indices, *wt_smems):
+            (n,) = indices
+
+            def accumulate(acc_ref):
+                for a, b in DX_PAIRS:
+                    plgpu.wgmma(acc_ref, d_pieces[a], wt_smems[b])
+                plgpu.wgmma_wait(0)
+                return acc_ref[...]
+
+            dx_smem[...] = pl.run_scoped(accumulate, plgpu.ACC((TILE, block_n))).astype(
+                dx_smem.dtype
+            )
+            plgpu.commit_smem()
+            block = dx_ref.at[pl.ds(u * TILE, TILE), pl.ds(n * block_n, block_n)]
+            plgpu.copy_smem_to_gmem(dx_smem, block)
+            plgpu.wait_smem_to_gmem(0)
+
+        plgpu.emit_pipeline(
+            step, grid=(d // block_n,), in_specs=piece_specs, max_concurrent_steps=stages
+        )(*(pieces_t_ref,) * PIECES)
+
+    pl.run_scoped(scope, plgpu.SMEM((TILE, block_n), dx_ref.dtype, transforms=_swizzled()))
+
+
+def _piece_block_n(piece: int, n):
+    return (piece, 0, n)
+
+
+def _store_tile(value, ref, u) -> None:
+    def scope(smem):
+        smem[...] = value
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(smem, ref.at[pl.ds(u * TILE, TILE)])
+        plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(scope, plgpu.SMEM(value.shape, value.dtype))
+
+
+def _backward_kernel(x_ref, pieces_ref, pieces_t_ref, *refs, spec: RouterSpec, num_tokens: int):
+    experts_ref, d_weights_ref, d_lse_ref, d_shares_ref, dx_ref, d_logits_ref = refs
+    u = lax.axis_index("tile")
+    logits = _logits(x_ref, pieces_ref, u)
+    shape = logits.shape
+    col = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+    row = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+    cts = (
+        _load_slots(experts_ref, u, spec.top_k),
+        _load_slots(d_weights_ref, u, spec.top_k),
+        _load_slots(d_lse_ref, u, 1)[0],
+        _load_columns(d_shares_ref.at[u]),
+    )
+    d_logits = _logits_grad(logits, col < spec.num_experts, row < num_tokens - u * TILE, cts, spec)
+    _store_tile(d_logits, d_logits_ref, u)
+
+    def scope(*piece_smems):
+        # wgmma reads its left operand from shared memory here (GPU interpret mode runs no
+        # register operand).
+        for piece_smem, piece in zip(piece_smems, _split(d_logits), strict=True):
+            piece_smem[...] = piece
+        plgpu.commit_smem()
+        _dx(piece_smems, pieces_t_ref, dx_ref, u)
+
+    piece = plgpu.SMEM(shape, jnp.bfloat16, transforms=_swizzled())
+    pl.run_scoped(scope, *(piece,) * PIECES)
+
+
+def route_backward(
+    x_td: Array,
+    router_de: Array,
+    experts_tk: Array,
+    cotangents: tuple[Array, Array, Array],
+    spec: RouterSpec,
+    *,
+    interpret: bool | plgpu.InterpretGPUParams = False,
+) -> tuple[Array, Array]:
+    """The router's backward on T tokens: (dx [T, D] in x's dtype, d_logits f32 [T, E]).
+
+    experts_tk: the forward's experts [T, K]. cotangents: of the weights f32 [T, K], the lse f32
+    [T] and the tile sums of the score shares f32 [U, E]."""
+    d_weights_tk, d_lse_t, d_shares_ue = cotangents
+    num_tokens, e = x_td.shape[0], spec.num_experts
+    x_pad = _padded_tokens(x_td)
+    padded, columns = x_pad.shape[0], padded_experts(e)
+    pieces = router_pieces(router_de, columns)
+    slots = lambda a: jnp.pad(a.T, ((0, 0), (0, padded - num_tokens)))  # noqa: E731
+    call = plgpu.kernel(
+        functools.partial(_backward_kernel, spec=spec, num_tokens=num_tokens),
+        out_type=(
+            jax.ShapeDtypeStruct(x_pad.shape, x_td.dtype),
+            jax.ShapeDtypeStruct((padded, columns), jnp.float32),
+        ),
+        grid=(padded // TILE,),
+        grid_names=("tile",),
+        interpret=_interpret_params(interpret),
+    )
+    dx, d_logits = call(
+        x_pad,
+        pieces,
+        jnp.swapaxes(pieces, 1, 2),
+        slots(experts_tk),
+        slots(d_weights_tk.astype(jnp.float32)),
+        slots(d_lse_t.astype(jnp.float32)[:, None]),
+        jnp.pad(d_shares_ue.astype(jnp.float32), ((0, 0), (0, columns - e))),
+    )
+    return like(dx[:num_tokens], x_td), like(d_logits[:num_tokens, :e], x_td)

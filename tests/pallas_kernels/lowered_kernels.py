@@ -589,6 +589,13 @@ def _ops_dispatch_mlp(**kwargs) -> KernelConfig:
     return _exchange(body, local)
 
 
+# The router's fullest spec: sigmoid scores, group-limited, normalized and scaled.
+ROUTER_GROUPS = dict(
+    top_k=6, score_fn="sigmoid", norm_topk_prob=True, routed_scaling=2.5, num_groups=8,
+    topk_groups=4,
+)  # fmt: skip
+
+
 def _router(num_tokens: int, num_experts: int, **spec) -> KernelConfig:
     """The router's forward kernel on x [num_tokens, D_OPS] with num_experts experts."""
     router_spec = RouterSpec(num_experts=num_experts, **spec)
@@ -596,6 +603,18 @@ def _router(num_tokens: int, num_experts: int, **spec) -> KernelConfig:
         fn=lambda x, w, b: router.route(x, w, b, router_spec),
         args=(S((num_tokens, D_OPS), BF16), S((D_OPS, num_experts), F32), S((num_experts,), F32)),
     )
+
+
+def _router_backward(num_tokens: int, num_experts: int, **spec) -> KernelConfig:
+    """The router's backward kernel, its cotangents those of the weights, lse and share sums."""
+    router_spec = RouterSpec(num_experts=num_experts, **spec)
+    k, tiles = router_spec.top_k, -(-num_tokens // router.TILE)
+    return KernelConfig(
+        fn=lambda x, w, e, dw, dl, ds: router.route_backward(x, w, e, (dw, dl, ds), router_spec),
+        args=(S((num_tokens, D_OPS), BF16), S((D_OPS, num_experts), F32),
+              S((num_tokens, k), I32), S((num_tokens, k), F32), S((num_tokens,), F32),
+              S((tiles, num_experts), F32)),
+    )  # fmt: skip
 
 
 _CONFIGS: dict[str, Callable[[], KernelConfig]] = {
@@ -713,19 +732,12 @@ _CONFIGS: dict[str, Callable[[], KernelConfig]] = {
     "exchange_ops/dispatch_mlp_recompute_kernel": lambda: _ops_dispatch_mlp(
         exchange_programs=PROGRAMS, recompute="kernel"
     ),
-    # The router's forward: softmax top-k; sigmoid with groups, normalized and scaled, over a
-    # partial last tile and experts padded to the column grain.
+    # The router's forward and backward: softmax top-k; sigmoid with groups, normalized and
+    # scaled, over a partial last tile and experts padded to the column grain.
     "router/softmax": lambda: _router(256, 64, top_k=4),
-    "router/sigmoid_groups": lambda: _router(
-        200,
-        96,
-        top_k=6,
-        score_fn="sigmoid",
-        norm_topk_prob=True,
-        routed_scaling=2.5,
-        num_groups=8,
-        topk_groups=4,
-    ),
+    "router/sigmoid_groups": lambda: _router(200, 96, **ROUTER_GROUPS),
+    "router/backward_softmax": lambda: _router_backward(256, 64, top_k=4),
+    "router/backward_sigmoid_groups": lambda: _router_backward(200, 96, **ROUTER_GROUPS),
 }
 NAMES: tuple[str, ...] = tuple(_CONFIGS)
 

@@ -11,8 +11,8 @@
 A row (`ArrayCase`, `ExchangeCase`, `RouterCase`) holds the kernel, the inputs it draws for a
 problem, its reference and, per contract, the problems it runs: the grouped GEMMs (grouped_matmul/
 mosaic_gpu.py, gathered rows included), the weight gradient (mosaic_gpu_wgrad.py), the
-differentiable ops that chain them (ops.py, values and gradients), the router's forward
-(routing/mosaic_gpu.py), and the exchange's kernels
+differentiable ops that chain them (ops.py, values and gradients), the router's forward and
+its gradients (routing/), and the exchange's kernels
 (exchange/mosaic_gpu.py; they signal their peers through semaphores, which interpret mode does
 not run, so they have no interpret problems: their copies are tested in interpret mode beside
 them). What is particular to a kernel (races, invariants, schedules, bad inputs) is tested beside
@@ -42,6 +42,7 @@ from pallas_kernels.grouped_matmul import mosaic_gpu, ops, reference
 from pallas_kernels.grouped_matmul.mosaic_gpu_wgrad import tgmm
 from pallas_kernels.grouped_matmul.tuning import TileConfig
 from pallas_kernels.routing import mosaic_gpu as router
+from pallas_kernels.routing import ops as router_ops
 from pallas_kernels.routing import reference as router_reference
 from pallas_kernels.routing.reference import RouterSpec
 from pallas_kernels.tolerances import Tolerance, tolerance
@@ -1220,6 +1221,63 @@ class RouterCase:
         return (lambda: call(x, w, b)), expected
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RouterGradCase(RouterCase):
+    """The router's op (routing/ops.py): x's and the router's gradients from random cotangents
+    of the weights, the lse and the share sums, by the backward kernel, against the reference's
+    function of the tokens with the kernel's experts held fixed (dx to its bf16 rounding, the
+    router's gradient to f32's)."""
+
+    @staticmethod
+    def cotangents(p: RouterProblem) -> tuple:
+        keys = jax.random.split(jax.random.key(50 + p.seed), 3)
+        tiles, e = -(-p.t // router.TILE), p.spec.num_experts
+        shapes = ((p.t, p.spec.top_k), (p.t,), (tiles, e))
+        return tuple(jax.random.normal(k, s, F32) for k, s in zip(keys, shapes, strict=True))
+
+    @staticmethod
+    def grads(x, w, b, cts, *, spec, interpret=False):
+        def outputs(x, w):
+            routed = router_ops.route(x, w, b, spec, interpret=interpret)
+            return routed.weights_tk, routed.lse_t, routed.shares_ue
+
+        return jax.vjp(outputs, x, w)[1](cts)
+
+    def lower(self, p: RouterProblem) -> jax.stages.Lowered:
+        args = jax.eval_shape(lambda: (*self.inputs(p), self.cotangents(p)))
+        call = functools.partial(self.grads, spec=p.spec)
+        return jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",))
+
+    def check_lowered(self, text: str, p: RouterProblem) -> None:
+        del p
+        assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 2, "forward and backward"
+        assert "scatter" not in text, "the router's backward scatters"
+
+    def runner(self, p: RouterProblem, *, interpret: bool) -> tuple[Callable, Callable]:
+        x, w, b = self.inputs(p)
+        cts = self.cotangents(p)
+        call = functools.partial(self.grads, spec=p.spec, interpret=interpret)
+        call = call if interpret else jax.jit(call)
+
+        def expected():
+            experts = router.route(x, w, b, p.spec, interpret=interpret).experts_tk
+
+            def outputs(x, w):
+                logits = router_reference.f32_logits(x, w)
+                scores = router_reference.router_scores(logits, p.spec)
+                shares = router_reference.score_shares(scores)
+                return (
+                    router_reference.chosen_weights(scores, experts, p.spec),
+                    jax.nn.logsumexp(logits, axis=-1),
+                    router_reference.tile_sums(shares, router.TILE),
+                )
+
+            dx, dw = jax.vjp(outputs, x, w)[1](cts)
+            return (close(dx, BF16), close(dw, F32))
+
+        return (lambda: call(x, w, b, cts)), expected
+
+
 _QWEN3 = RouterSpec(num_experts=128, top_k=8)
 _DSV3 = RouterSpec(
     num_experts=256, top_k=8, score_fn="sigmoid", norm_topk_prob=True, routed_scaling=2.5,
@@ -1241,7 +1299,16 @@ ROUTER = [
         ),
         lowered=(dataclasses.replace(_ROUTER_REAL[0], fast=True), *_ROUTER_REAL[1:]),
         gpu=_ROUTER_REAL,
-    )
+    ),
+    RouterGradCase(
+        name="router_grads",
+        interpret=(
+            RouterProblem(t=130, d=64, spec=_DSV3, fast=True),
+            RouterProblem(t=200, d=128, spec=_QWEN3),
+        ),
+        lowered=(dataclasses.replace(_ROUTER_REAL[0], fast=True), *_ROUTER_REAL[1:]),
+        gpu=_ROUTER_REAL,
+    ),
 ]
 
 # ---------------------------------------------------------------------------------------------
