@@ -51,6 +51,7 @@ from mok_jax.routing import (
     score_shares,
 )
 from mok_jax.tiles import token_swiglu, token_tiled
+from pallas_kernels.routing import ops as routing_ops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,8 +92,6 @@ def _route_in_kernel(
     """The router's kernels (pallas_kernels/routing), forward and backward: one program per 64
     tokens, each token's results and input gradient from its own row (the same bits on every
     mesh)."""
-    from pallas_kernels.routing import ops as routing_ops
-
     if x_td.dtype != jnp.bfloat16:
         raise ValueError(
             f"router='kernel' routes bfloat16 tokens; x is {x_td.dtype}: cast x to bfloat16 "

@@ -166,6 +166,8 @@ def load_balancing_loss(
     `shares_te` when given, or from `share_sums_e`, their sum over this device's tokens). Under
     shard_map, the tokens are those of every device on `axes` and tokens_per_expert_e must be
     global."""
+    if shares_te is not None and share_sums_e is not None:
+        raise ValueError("give shares_te or share_sums_e, not both")
     if cfg.aux_loss_coef == 0:
         return jnp.zeros((), jnp.float32)
     devices = lax.axis_size(axes) if axes else 1

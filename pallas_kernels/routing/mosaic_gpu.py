@@ -27,10 +27,13 @@ Invariants (numbered; the tests check each):
      f32 accumulator in the same order (no split-K, no atomics), and every later stage is a
      row-wise computation of the tile; so a token's experts, weights and lse are the same bits
      in any tile, at any T and on any mesh.
-  3. Selection is the reference's rule: round j takes the row's largest remaining biased score
-     and, among equal ones, the lowest column, then removes it; columns outside the eligible
-     groups and the padded columns start removed (-inf). A NaN score selects no column; the
-     index is clamped to E - 1 so that it stays a valid expert.
+  3. Selection is the reference's rule for finite scores: round j takes the row's largest
+     remaining biased score and, among equal ones, the lowest column, then removes it; columns
+     outside the eligible groups and the padded columns start removed (-inf). A row with a
+     NaN or infinite logit, score or bias is routed to unspecified experts (the GPU's row
+     maximum propagates NaN, XLA:CPU's need not), each index clamped to E - 1 so that it stays
+     a valid expert; its weights and lse follow the arithmetic (a training run's NaN check
+     stops there).
   4. Each output element has one writer: program u writes columns [u * TILE, (u + 1) * TILE) of
      the [K, T'] experts and weights, those rows of the logits and lse, and row u of the sums.
   5. The tile's sums run over its real tokens only (row < T), as one column reduction of the

@@ -37,9 +37,8 @@ def router_weight_grad(x_td: Array, router_de: Array, d_logits_te: Array) -> Arr
 
     Up to ROUTER_GRAD_BLOCK tokens, or a count that is not a multiple of it: autodiff's
     transposed dot, bit for bit. Else the sum over consecutive blocks of ROUTER_GRAD_BLOCK
-    tokens of each block's autodiff gradient, added in block order: a function of the tokens
-    alone, as the layer's fixed token chunks require. router_de (f32, its values unused) gives
-    the gradient's shape and, inside shard_map, the mesh axes it varies over."""
+    tokens of each block's autodiff gradient, added in block order. router_de (f32, its values
+    unused) gives the gradient's shape and, inside shard_map, the mesh axes it varies over."""
 
     def grad_de(x_td, d_logits_te):
         return jax.vjp(lambda w: reference.f32_logits(x_td, w), router_de)[1](d_logits_te)[0]
@@ -92,7 +91,13 @@ def _route_bwd(spec, interpret, residuals, cotangent: Routed):
     dx_td, d_logits_te = mosaic_gpu.route_backward(
         x_td, router_de, experts_tk, cts, spec, interpret=interpret
     )
-    d_router_de = router_weight_grad(x_td, router_de.astype(jnp.float32), d_logits_te)
+    # Zero tokens up to whole blocks (they add exact zeros): the blocked product at any T.
+    num_tokens = x_td.shape[0]
+    padded = -(-num_tokens // ROUTER_GRAD_BLOCK) * ROUTER_GRAD_BLOCK
+    pad = ((0, padded - num_tokens), (0, 0))
+    d_router_de = router_weight_grad(
+        jnp.pad(x_td, pad), router_de.astype(jnp.float32), jnp.pad(d_logits_te, pad)
+    )
     return dx_td, d_router_de.astype(router_de.dtype), jnp.zeros_like(bias_e)
 
 

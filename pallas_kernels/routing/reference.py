@@ -92,6 +92,7 @@ class Routed:
 
 
 def router_scores(logits_te: Array, spec: RouterSpec) -> Array:
+    """f32 [T, E]: softmax or sigmoid of the logits f32 [T, E]."""
     if spec.score_fn == "softmax":
         return jax.nn.softmax(logits_te, axis=-1)
     return jax.nn.sigmoid(logits_te)

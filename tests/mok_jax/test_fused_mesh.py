@@ -130,12 +130,13 @@ def test_two_devices_equal_one():
 
 @pytest.mark.slow
 def test_the_router_kernel_keeps_the_bits_across_meshes():
-    """router "kernel": each token routed by its own row of a kernel tile and its gradient
-    from fixed token chunks, so y and dx are the bits of one device on EP 2 and on a 2 x 2
-    data x expert mesh (one round each: a buffer above the load)."""
+    """router "kernel": each token routed, and its input gradient formed, by its own row of a
+    kernel tile, so y and dx are the bits of one device on EP 2 and on a 2 x 2 data x expert
+    mesh (one round each: a buffer above the load). 160 tokens: each device's tokens span
+    several tiles, the last partial, and tiles start elsewhere than on one device."""
     cfg = with_impl(QWEN3, "fused", router="kernel", buffer_factor=2.0)
-    x, params, cotangent = random_inputs(cfg, NUM_TOKENS, 3)
-    base = one_device(cfg, 3)
+    x, params, cotangent = random_inputs(cfg, 160, 3)
+    base = value_and_grads(x, params, cotangent, cfg, None)
     meshes = (
         make_mesh("expert", devices=jax.devices()[:2]),
         make_mesh("data_expert", data=2, devices=jax.devices()[:4]),

@@ -74,6 +74,7 @@ def assert_routed_matches(got: reference.Routed, want: reference.Routed, bias, s
         if rows is not None:
             g, w = g[rows], w[rows]
         np.testing.assert_allclose(g, w, rtol=tol.rtol, atol=tol.scaled_atol(w), err_msg=field)
+    # A tile's share of an expert sums TILE tokens' shares: TILE roundings of f32.
     shares = np.asarray(want.shares_ue)
     np.testing.assert_allclose(
         np.asarray(got.shares_ue), shares, rtol=tol.rtol, atol=tol.scaled_atol(shares) * TILE
