@@ -72,14 +72,19 @@ def padded_experts(num_experts: int) -> int:
 def router_pieces(router_de: Array, columns: int) -> Array:
     """bf16 [PIECES, D, columns]: hi, mid and lo with hi + mid + lo = router (invariant 1), the
     columns past E zero."""
-    rest = router_de.astype(jnp.float32)
-    pieces = []
+    stacked = jnp.stack(split(router_de.astype(jnp.float32)))
+    return jnp.pad(stacked, ((0, 0), (0, 0), (0, columns - router_de.shape[1])))
+
+
+def split(value: Array) -> list[Array]:
+    """Three bf16 pieces of an f32 array, hi + mid + lo = value (invariant 1): an XLA array
+    or a kernel's register array."""
+    pieces, rest = [], value
     for _ in range(PIECES):
         piece = rest.astype(jnp.bfloat16)
         rest = rest - piece.astype(jnp.float32)
         pieces.append(piece)
-    stacked = jnp.stack(pieces)
-    return jnp.pad(stacked, ((0, 0), (0, 0), (0, columns - router_de.shape[1])))
+    return pieces
 
 
 def check_inputs(x_td: Array, router_de: Array, bias_e: Array, spec: RouterSpec) -> None:
@@ -166,13 +171,17 @@ def _lowest_column(values, target, col, columns: int) -> Array:
     return jnp.where(values == _rows(target, values.shape), col, columns).min(axis=1)
 
 
+def _in_group(col, g: int, width: int) -> Array:
+    """bool: the columns of group g (width experts a group)."""
+    return (col >= g * width) & (col < (g + 1) * width)
+
+
 def _group_scores(biased, col, spec: RouterSpec) -> list[Array]:
     """Each group's score [TILE]: the sum of its two best biased scores."""
     width, columns = spec.experts_per_group, biased.shape[1]
     scores = []
     for g in range(spec.num_groups):
-        inside = (col >= g * width) & (col < (g + 1) * width)
-        member = jnp.where(inside, biased, -jnp.inf)
+        member = jnp.where(_in_group(col, g, width), biased, -jnp.inf)
         best = member.max(axis=1)
         first = _lowest_column(member, best, col, columns)
         second = jnp.where(col == _rows(first, col.shape), -jnp.inf, member).max(axis=1)
@@ -212,8 +221,7 @@ def _eligible(biased, col, spec: RouterSpec) -> Array:
     width = spec.experts_per_group
     eligible = None
     for g, c in enumerate(chosen):
-        inside = (col >= g * width) & (col < (g + 1) * width)
-        eligible = _either(eligible, inside & _rows(c == 1, col.shape))
+        eligible = _either(eligible, _in_group(col, g, width) & _rows(c == 1, col.shape))
     return eligible
 
 
@@ -252,14 +260,15 @@ def _tile_sums(scores, chosen, real_rows) -> tuple[Array, Array]:
     return counts, jnp.where(real_rows, shares, 0.0).sum(axis=0)
 
 
-def _load_bias(bias_ref) -> Array:
-    def scope(bias_smem, barrier):
-        plgpu.copy_gmem_to_smem(bias_ref, bias_smem, barrier)
-        plgpu.barrier_wait(barrier)
-        return plgpu.load(bias_smem, layout=_COLUMN)
+def _load_columns(ref) -> Array:
+    """An [E'] column vector from ref [E'] in GMEM."""
 
-    columns = bias_ref.shape[0]
-    return pl.run_scoped(scope, plgpu.SMEM((columns,), jnp.float32), plgpu.Barrier())
+    def scope(smem, barrier):
+        plgpu.copy_gmem_to_smem(ref, smem, barrier)
+        plgpu.barrier_wait(barrier)
+        return plgpu.load(smem, layout=_COLUMN)
+
+    return pl.run_scoped(scope, plgpu.SMEM(ref.shape, ref.dtype), plgpu.Barrier())
 
 
 def _store(outs, values, u) -> None:
@@ -305,7 +314,7 @@ def _kernel(x_ref, pieces_ref, bias_ref, *outs, spec: RouterSpec, num_tokens: in
     row = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
     real = col < spec.num_experts
     scores, lse = _scores(logits, real, spec)
-    biased = jnp.where(real, scores + _columns(_load_bias(bias_ref), shape), -jnp.inf)
+    biased = jnp.where(real, scores + _columns(_load_columns(bias_ref), shape), -jnp.inf)
     if spec.num_groups is not None:
         biased = jnp.where(_eligible(biased, col, spec), biased, -jnp.inf)
     experts, weights, chosen = _select(biased, scores, col, spec)
@@ -415,17 +424,6 @@ def _load_slots(ref, u, count: int) -> list[Array]:
     return pl.run_scoped(scope, plgpu.SMEM((count, TILE), ref.dtype), plgpu.Barrier())
 
 
-def _load_columns(ref) -> Array:
-    """An [E'] column vector from ref [E'] in GMEM."""
-
-    def scope(smem, barrier):
-        plgpu.copy_gmem_to_smem(ref, smem, barrier)
-        plgpu.barrier_wait(barrier)
-        return plgpu.load(smem, layout=_COLUMN)
-
-    return pl.run_scoped(scope, plgpu.SMEM(ref.shape, ref.dtype), plgpu.Barrier())
-
-
 def _chosen_grad(scores, hits, d_weights, spec: RouterSpec) -> Array:
     """d_scores [TILE, E'] from the weights' cotangents (normalization and scaling undone)."""
     raw = [jnp.where(hit, scores, 0.0).sum(axis=1) for hit in hits]
@@ -464,16 +462,6 @@ def _logits_grad(logits, real, real_rows, cts, spec: RouterSpec) -> Array:
         d_logits = jnp.where(real, d_scores * scores * (1.0 - scores), 0.0)
     softmax = jnp.exp(jnp.where(real, logits, -jnp.inf) - _rows(lse, shape))
     return d_logits + _rows(d_lse, shape) * softmax
-
-
-def _split(value: Array) -> list[Array]:
-    """Three bf16 pieces of an f32 register array (invariant 1's split)."""
-    pieces, rest = [], value
-    for _ in range(PIECES):
-        piece = rest.astype(jnp.bfloat16)
-        rest = rest - piece.astype(jnp.float32)
-        pieces.append(piece)
-    return pieces
 
 
 def _dx(d_pieces, pieces_t_ref, dx_ref, u) -> None:
@@ -550,7 +538,7 @@ def _backward_kernel(x_ref, pieces_ref, pieces_t_ref, *refs, spec: RouterSpec, n
     def scope(*piece_smems):
         # wgmma reads its left operand from shared memory here (GPU interpret mode runs no
         # register operand).
-        for piece_smem, piece in zip(piece_smems, _split(d_logits), strict=True):
+        for piece_smem, piece in zip(piece_smems, split(d_logits), strict=True):
             piece_smem[...] = piece
         plgpu.commit_smem()
         _dx(piece_smems, pieces_t_ref, dx_ref, u)
